@@ -1,0 +1,131 @@
+"""The exceptions nostall raises.
+
+Every error nostall raises on purpose derives from :class:`NostallError`, so a
+service can catch the whole family with one ``except`` clause and still tell the
+cases apart by type (never by message text)::
+
+    NostallError
+    ├── CheckpointError          a checkpoint on disk is malformed or missing pieces
+    │   └── ModelMismatchError   the tensors do not fit the module they are loaded into
+    ├── ReadError                the operating system refused or failed a read
+    ├── PoolExhausted            the pinned host pool cannot hold a request
+    ├── DeviceError              the requested device is unusable (no CUDA, bad index)
+    ├── ClosedError              a pool, loader or pipeline was used after ``close()``
+    ├── LatentsError             latents of the wrong rank, channel count or dtype
+    └── SinkError                a frame sink failed (disk full, closed, bad path)
+
+Messages name the file, the tensor and the numbers involved, and say how to fix
+the problem. Each exception keeps the pieces as attributes (``path``, ``tensor``)
+for programs that want them.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = [
+    "CheckpointError",
+    "ClosedError",
+    "DeviceError",
+    "LatentsError",
+    "ModelMismatchError",
+    "NostallError",
+    "PoolExhausted",
+    "ReadError",
+    "SinkError",
+]
+
+
+class NostallError(Exception):
+    """Root of every exception nostall raises on purpose."""
+
+
+class CheckpointError(NostallError):
+    """A checkpoint is malformed, truncated, or missing a file or tensor.
+
+    Attributes:
+        path: the file the problem was found in (``None`` when not file-specific).
+        tensor: the tensor name involved, when there is one.
+    """
+
+    def __init__(
+        self, message: str, *, path: str | os.PathLike | None = None, tensor: str | None = None
+    ):
+        self.path = os.fspath(path) if path is not None else None
+        self.tensor = tensor
+        where = []
+        if self.path is not None:
+            where.append(self.path)
+        if tensor is not None:
+            where.append(f"tensor {tensor!r}")
+        super().__init__(f"{': '.join(where)}: {message}" if where else message)
+
+
+class ModelMismatchError(CheckpointError):
+    """The checkpoint's tensors do not fit the module: keys or shapes differ.
+
+    Attributes:
+        missing: parameter/buffer names the module needs and the checkpoint lacks.
+        unexpected: tensor names the checkpoint has and the module does not use.
+        mismatched: ``(name, checkpoint_shape, module_shape)`` for shape conflicts.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | os.PathLike | None = None,
+        missing: list[str] | None = None,
+        unexpected: list[str] | None = None,
+        mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] | None = None,
+    ):
+        self.missing = list(missing or [])
+        self.unexpected = list(unexpected or [])
+        self.mismatched = list(mismatched or [])
+        super().__init__(message, path=path)
+
+
+class ReadError(NostallError):
+    """The operating system failed a read (permissions, I/O error, vanished file)."""
+
+    def __init__(self, message: str, *, path: str | os.PathLike | None = None):
+        self.path = os.fspath(path) if path is not None else None
+        super().__init__(f"{self.path}: {message}" if self.path else message)
+
+
+class PoolExhausted(NostallError):
+    """The pinned host pool cannot hold a request, even after evicting idle entries.
+
+    Attributes:
+        requested: bytes asked for (after rounding to the pool's size class).
+        capacity: the pool's byte budget.
+        in_use: bytes held by live blocks that cannot be evicted.
+        largest_free: the largest contiguous free run, in bytes.
+    """
+
+    def __init__(self, message: str, *, requested: int, capacity: int, in_use: int, largest_free: int):
+        self.requested = requested
+        self.capacity = capacity
+        self.in_use = in_use
+        self.largest_free = largest_free
+        super().__init__(message)
+
+
+class DeviceError(NostallError):
+    """The requested device cannot be used (no CUDA build or GPU, index out of range)."""
+
+
+class ClosedError(NostallError):
+    """An object that owns threads, streams or memory was used after ``close()``."""
+
+
+class LatentsError(NostallError):
+    """Latents passed to a video decoder have the wrong rank, channels or dtype."""
+
+
+class SinkError(NostallError):
+    """A frame sink failed: the folder is missing, the disk is full, it was closed."""
+
+    def __init__(self, message: str, *, path: str | os.PathLike | None = None):
+        self.path = os.fspath(path) if path is not None else None
+        super().__init__(f"{self.path}: {message}" if self.path else message)
