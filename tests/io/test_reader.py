@@ -1,0 +1,179 @@
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import threading
+import time
+
+import pytest
+
+from nostall.errors import CheckpointError, ClosedError, ReadError
+from nostall.io import Cancelled, ParallelReader, ReadRequest, open_backend
+from nostall.io import backends as backends_mod
+from nostall.io.backends import BufferedBackend, DirectBackend
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    payload = os.urandom(3 * 1024 * 1024 + 1234)  # not a multiple of any block size
+    path = tmp_path / "blob.bin"
+    path.write_bytes(payload)
+    return str(path), payload
+
+
+@pytest.mark.parametrize("mode", ["buffered", "direct"])
+def test_backends_read_exact_bytes(data_file, mode):
+    path, payload = data_file
+    with open_backend(path, mode, block_bytes=64 << 10) as r:
+        buf = mmap.mmap(-1, len(payload) + 8192)  # page-aligned, room for the aligned tail
+        mv = memoryview(buf)
+        got = r.read_into(mv[: (len(payload) + 4095) // 4096 * 4096], 0)
+        assert got == len(payload)
+        assert bytes(mv[: len(payload)]) == payload
+        mv.release()
+
+
+def test_direct_falls_back_with_a_logged_reason(data_file, monkeypatch, caplog):
+    path, _ = data_file
+
+    def refuse(self, p):
+        raise backends_mod.UnsupportedBackend("the file system refuses O_DIRECT (test)")
+
+    monkeypatch.setattr(DirectBackend, "_open", refuse)
+    with caplog.at_level(logging.WARNING), open_backend(path, "direct", block_bytes=1 << 20) as r:
+        assert r.name == "buffered"
+    assert "direct I/O unavailable" in caplog.text and path in caplog.text
+
+
+def test_direct_probe_refusal_falls_back(data_file, monkeypatch, caplog):
+    path, _ = data_file
+    real = os.preadv
+    calls = {"n": 0}
+
+    def einval_once(fd, bufs, off):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, bufs, off)
+
+    monkeypatch.setattr(backends_mod.os, "preadv", einval_once)
+    with caplog.at_level(logging.WARNING), open_backend(path, "direct", block_bytes=1 << 20) as r:
+        assert isinstance(r, BufferedBackend)
+
+
+def test_unknown_mode_and_bad_block_size(data_file):
+    path, _ = data_file
+    with pytest.raises(ValueError, match="read mode"):
+        open_backend(path, "mmap", block_bytes=1 << 20)
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        open_backend(path, "buffered", block_bytes=1000)
+
+
+def test_unreadable_file_is_a_read_error(tmp_path):
+    path = tmp_path / "secret.bin"
+    path.write_bytes(b"x" * 10)
+    path.chmod(0)
+    if os.geteuid() == 0:
+        # root reads anything: simulate the refusal instead
+        with pytest.raises(ReadError):
+            open_backend(str(tmp_path / "missing.bin"), "buffered", block_bytes=4096)
+        return
+    with pytest.raises(ReadError, match="permission denied"):
+        open_backend(str(path), "buffered", block_bytes=4096)
+
+
+def test_io_error_mid_read_names_file_and_offset(data_file, monkeypatch):
+    path, payload = data_file
+
+    def eio(fd, bufs, off):
+        raise OSError(errno.EIO, "Input/output error")
+
+    with open_backend(path, "buffered", block_bytes=1 << 20) as r:
+        monkeypatch.setattr(os, "preadv", eio)
+        with pytest.raises(ReadError, match="offset 0") as info:
+            r.read_into(memoryview(bytearray(10)), 0)
+        assert info.value.path == path
+
+
+def test_file_shrinking_while_loading_is_caught(data_file):
+    path, payload = data_file
+    with open_backend(path, "buffered", block_bytes=1 << 20) as r:
+        with pytest.raises(CheckpointError, match="truncated or replaced"):
+            r.read_exact(memoryview(bytearray(100)), len(payload) - 10, 100)
+
+
+def _requests(r, payload, buf, chunk, tags=None):
+    mv = memoryview(buf)
+    reqs = []
+    for i, a in enumerate(range(0, len(payload), chunk)):
+        b = min(a + chunk, len(payload))
+        reqs.append(ReadRequest(r, a, b - a, b - a, lambda cancel, a=a, b=b: mv[a:b], tag=(a, b)))
+    return reqs
+
+
+def test_parallel_reader_reports_every_chunk_once(data_file):
+    path, payload = data_file
+    buf = bytearray(len(payload))
+    with ParallelReader(threads=4) as reader, open_backend(path, "buffered", block_bytes=64 << 10) as r:
+        reqs = _requests(r, payload, buf, 256 << 10)
+        tags = list(reader.submit(reqs).completed())
+    assert sorted(tags) == sorted(q.tag for q in reqs)
+    assert bytes(buf) == payload
+
+
+def test_parallel_reader_error_cancels_the_rest(data_file):
+    path, payload = data_file
+    buf = bytearray(len(payload))
+    started = []
+
+    with ParallelReader(threads=2) as reader, open_backend(path, "buffered", block_bytes=64 << 10) as r:
+        reqs = _requests(r, payload, buf, 64 << 10)
+
+        def boom(cancel):
+            raise ReadError("disk on fire", path=path)
+
+        def slow(cancel, q=None):
+            started.append(1)
+            time.sleep(0.01)
+            return memoryview(bytearray(64 << 10))
+
+        reqs[1] = ReadRequest(r, 0, 10, 10, boom, tag="bad")
+        reqs[2:] = [ReadRequest(r, 0, 10, 10, slow, tag=i) for i in range(40)]
+        handle = reader.submit(reqs)
+        t = time.perf_counter()
+        with pytest.raises(ReadError, match="disk on fire"):
+            for _ in handle.completed():
+                pass
+        assert time.perf_counter() - t < 1.0
+    assert len(started) < 40  # the queued reads were cancelled, not run
+
+
+def test_dest_waiting_on_a_cancelled_handle_gives_up(data_file):
+    path, payload = data_file
+    gate = threading.Event()
+
+    def waits(cancel):
+        while not cancel.is_set():
+            if gate.wait(0.01):
+                break
+        raise Cancelled()
+
+    def boom(cancel):
+        raise ReadError("fail", path=path)
+
+    with ParallelReader(threads=2) as reader, open_backend(path, "buffered", block_bytes=64 << 10) as r:
+        handle = reader.submit([ReadRequest(r, 0, 1, 1, waits), ReadRequest(r, 0, 1, 1, boom)])
+        with pytest.raises(ReadError):
+            handle.wait()
+
+
+def test_closed_reader(data_file):
+    reader = ParallelReader(threads=1)
+    reader.close()
+    reader.close()
+    with pytest.raises(ClosedError):
+        reader.submit([])
+    with pytest.raises(ValueError):
+        ParallelReader(threads=0)
