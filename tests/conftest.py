@@ -1,9 +1,11 @@
-"""Shared fixtures: one tiny tensor dict covering every dtype and edge shape, reused everywhere."""
+"""Fixtures shared by every test; the cuda marker skips tests on machines without a GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from support import sample_tensors
 
 
 def pytest_collection_modifyitems(config, items):
@@ -13,47 +15,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
-
-
-def sample_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
-    """fp64/32/16, bf16, both fp8s, every integer width, bool, a scalar, empty tensors."""
-    g = torch.Generator().manual_seed(seed)
-    out = {
-        "f64": torch.randn(3, 5, generator=g, dtype=torch.float64),
-        "f32": torch.randn(17, 9, generator=g),
-        "f16": torch.randn(4, 4, 4, generator=g).to(torch.float16),
-        "bf16": torch.randn(31, generator=g).to(torch.bfloat16),
-        "f8_e4m3": torch.randn(6, 7, generator=g).to(torch.float8_e4m3fn),
-        "f8_e5m2": torch.randn(13, generator=g).to(torch.float8_e5m2),
-        "i64": torch.randint(-(2**40), 2**40, (5,), generator=g),
-        "i32": torch.randint(-(2**30), 2**30, (3, 3), generator=g, dtype=torch.int32),
-        "i16": torch.randint(-300, 300, (11,), generator=g, dtype=torch.int16),
-        "i8": torch.randint(-100, 100, (9,), generator=g, dtype=torch.int8),
-        "u8": torch.randint(0, 255, (2, 8), generator=g, dtype=torch.uint8),
-        "bool": torch.rand(10, generator=g) > 0.5,
-        "scalar": torch.tensor(3.5),
-        "scalar_i64": torch.tensor(-7),
-        "empty": torch.empty(0, 4),
-        "empty_bf16": torch.empty(3, 0, dtype=torch.bfloat16),
-    }
-    for name, dt in (("u16", "uint16"), ("u32", "uint32"), ("u64", "uint64")):
-        if hasattr(torch, dt):
-            out[name] = torch.randint(0, 60000, (7,), generator=g).to(getattr(torch, dt))
-    return out
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes (compare bit for bit, NaN-safe, for dtypes without torch.equal)."""
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_same(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
-    assert got.keys() == ref.keys()
-    for k, r in ref.items():
-        t = got[k]
-        assert t.dtype == r.dtype, k
-        assert t.shape == r.shape, k
-        assert torch.equal(bits(t), bits(r)), k
 
 
 @pytest.fixture
@@ -68,21 +29,3 @@ def ckpt_file(tmp_path, tensors):
     path = tmp_path / "model.safetensors"
     save_file(tensors, str(path), metadata={"format": "pt", "origin": "test"})
     return path
-
-
-def make_sharded(folder, tensors, stem="model", shards=2):
-    """Write ``tensors`` as ``shards`` files plus a ``<stem>.safetensors.index.json``."""
-    import json
-
-    from safetensors.torch import save_file
-
-    names = sorted(tensors)
-    weight_map = {}
-    for s in range(shards):
-        part = {n: tensors[n] for n in names[s::shards]}
-        fname = f"{stem}-{s + 1:05d}-of-{shards:05d}.safetensors"
-        save_file(part, str(folder / fname))
-        weight_map.update({n: fname for n in part})
-    index = folder / f"{stem}.safetensors.index.json"
-    index.write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
-    return index

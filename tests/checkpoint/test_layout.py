@@ -4,11 +4,12 @@ import json
 
 import pytest
 import torch
-from conftest import make_sharded
 from safetensors.torch import save_file
 
 from nostall.checkpoint import resolve
 from nostall.errors import CheckpointError
+
+from support import make_sharded
 
 
 def test_single_file(ckpt_file, tensors):
@@ -77,7 +78,7 @@ def test_folder_without_weights(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "a.safetensors").write_bytes(b"")
     (tmp_path / "b.safetensors").write_bytes(b"")
-    with pytest.raises(CheckpointError, match="a.safetensors, b.safetensors"):
+    with pytest.raises(CheckpointError, match=r"a\.safetensors, b\.safetensors"):
         resolve(tmp_path)
 
 

@@ -85,7 +85,7 @@ def test_unreadable_file_is_a_read_error(tmp_path):
 
 
 def test_io_error_mid_read_names_file_and_offset(data_file, monkeypatch):
-    path, payload = data_file
+    path, _payload = data_file
 
     def eio(fd, bufs, off):
         raise OSError(errno.EIO, "Input/output error")
@@ -99,15 +99,17 @@ def test_io_error_mid_read_names_file_and_offset(data_file, monkeypatch):
 
 def test_file_shrinking_while_loading_is_caught(data_file):
     path, payload = data_file
-    with open_backend(path, "buffered", block_bytes=1 << 20) as r:
-        with pytest.raises(CheckpointError, match="truncated or replaced"):
-            r.read_exact(memoryview(bytearray(100)), len(payload) - 10, 100)
+    with (
+        open_backend(path, "buffered", block_bytes=1 << 20) as r,
+        pytest.raises(CheckpointError, match="truncated or replaced"),
+    ):
+        r.read_exact(memoryview(bytearray(100)), len(payload) - 10, 100)
 
 
 def _requests(r, payload, buf, chunk, tags=None):
     mv = memoryview(buf)
     reqs = []
-    for i, a in enumerate(range(0, len(payload), chunk)):
+    for _i, a in enumerate(range(0, len(payload), chunk)):
         b = min(a + chunk, len(payload))
         reqs.append(ReadRequest(r, a, b - a, b - a, lambda cancel, a=a, b=b: mv[a:b], tag=(a, b)))
     return reqs
@@ -116,7 +118,10 @@ def _requests(r, payload, buf, chunk, tags=None):
 def test_parallel_reader_reports_every_chunk_once(data_file):
     path, payload = data_file
     buf = bytearray(len(payload))
-    with ParallelReader(threads=4) as reader, open_backend(path, "buffered", block_bytes=64 << 10) as r:
+    with (
+        ParallelReader(threads=4) as reader,
+        open_backend(path, "buffered", block_bytes=64 << 10) as r,
+    ):
         reqs = _requests(r, payload, buf, 256 << 10)
         tags = list(reader.submit(reqs).completed())
     assert sorted(tags) == sorted(q.tag for q in reqs)
@@ -128,7 +133,10 @@ def test_parallel_reader_error_cancels_the_rest(data_file):
     buf = bytearray(len(payload))
     started = []
 
-    with ParallelReader(threads=2) as reader, open_backend(path, "buffered", block_bytes=64 << 10) as r:
+    with (
+        ParallelReader(threads=2) as reader,
+        open_backend(path, "buffered", block_bytes=64 << 10) as r,
+    ):
         reqs = _requests(r, payload, buf, 64 << 10)
 
         def boom(cancel):
@@ -151,7 +159,7 @@ def test_parallel_reader_error_cancels_the_rest(data_file):
 
 
 def test_dest_waiting_on_a_cancelled_handle_gives_up(data_file):
-    path, payload = data_file
+    path, _payload = data_file
     gate = threading.Event()
 
     def waits(cancel):
@@ -163,7 +171,10 @@ def test_dest_waiting_on_a_cancelled_handle_gives_up(data_file):
     def boom(cancel):
         raise ReadError("fail", path=path)
 
-    with ParallelReader(threads=2) as reader, open_backend(path, "buffered", block_bytes=64 << 10) as r:
+    with (
+        ParallelReader(threads=2) as reader,
+        open_backend(path, "buffered", block_bytes=64 << 10) as r,
+    ):
         handle = reader.submit([ReadRequest(r, 0, 1, 1, waits), ReadRequest(r, 0, 1, 1, boom)])
         with pytest.raises(ReadError):
             handle.wait()

@@ -102,7 +102,7 @@ def test_cached_blocks_are_reused_then_evicted_lru(pool):
 def test_no_eviction_when_caller_drives_it():
     with PinnedPool(64 << 20, slab_bytes=32 << 20, pin=False, evict=False) as p:
         p.allocate(48 << 20, key="x").release()
-        with pytest.raises(PoolExhausted, match="pool.evict"):
+        with pytest.raises(PoolExhausted, match=r"pool\.evict"):
             p.allocate(32 << 20)
         assert p.evict() == 48 << 20
         p.allocate(32 << 20).release()

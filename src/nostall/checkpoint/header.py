@@ -125,9 +125,7 @@ def parse_header(raw: bytes, *, file_size: int, path: str = "<bytes>") -> FileIn
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"header is not valid UTF-8 JSON: {e}", path=path) from e
     if not isinstance(doc, dict):
-        raise CheckpointError(
-            f"header must be a JSON object, got {type(doc).__name__}", path=path
-        )
+        raise CheckpointError(f"header must be a JSON object, got {type(doc).__name__}", path=path)
 
     metadata = doc.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(

@@ -126,7 +126,7 @@ def _resolve_index(index_path: str) -> tuple[FileIndex, ...]:
             path=index_path,
         )
     files = tuple(read_header(os.path.join(folder, s)) for s in shard_names)
-    by_shard = {s: {e.name for e in f.tensors} for s, f in zip(shard_names, files)}
+    by_shard = {s: {e.name for e in f.tensors} for s, f in zip(shard_names, files, strict=False)}
     for name, shard in weight_map.items():
         if name not in by_shard[shard]:
             raise CheckpointError(

@@ -49,7 +49,10 @@ class DirectBackend(ReadBackend):
         try:
             return os.open(path, os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0))
         except OSError as e:
-            if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):  # EINVAL, EOPNOTSUPP: tmpfs, some FUSE/overlay mounts
+            if e.errno in (
+                errno.EINVAL,
+                errno.EOPNOTSUPP,
+            ):  # EINVAL, EOPNOTSUPP: tmpfs, some FUSE/overlay mounts
                 raise UnsupportedBackend(f"the file system refuses O_DIRECT ({e.strerror})") from e
             raise open_error(path, e) from e
 

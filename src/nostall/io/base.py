@@ -16,14 +16,20 @@ from abc import ABC, abstractmethod
 
 from nostall.errors import CheckpointError, ReadError
 
-__all__ = ["DEFAULT_BLOCK_BYTES", "ReadBackend", "UnsupportedBackend", "register_backend", "backend"]
+__all__ = [
+    "DEFAULT_BLOCK_BYTES",
+    "ReadBackend",
+    "UnsupportedBackend",
+    "backend",
+    "register_backend",
+]
 
 # MuseAI's figure: 2 MiB requests need 1/16 of the syscalls of 128 KiB ones, and
 # sequential 2 MiB reads keep a disk's queue full without hurting latency.
 DEFAULT_BLOCK_BYTES = 2 << 20
 
 
-class UnsupportedBackend(Exception):  # noqa: N818 - internal signal, never escapes
+class UnsupportedBackend(Exception):
     """The file system refuses this strategy for this file; the caller falls back."""
 
 
@@ -49,7 +55,9 @@ class ReadBackend(ABC):
     def _open(self, path: str) -> int:
         """Open the file; raise :class:`UnsupportedBackend` if the strategy is refused."""
 
-    def read_into(self, dest: memoryview, offset: int, *, cancel: threading.Event | None = None) -> int:
+    def read_into(
+        self, dest: memoryview, offset: int, *, cancel: threading.Event | None = None
+    ) -> int:
         """Fill ``dest`` from file ``offset`` on, in ``block_bytes`` requests.
 
         Stops at end of file (or when ``cancel`` is set); returns the bytes read.

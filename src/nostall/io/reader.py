@@ -45,7 +45,7 @@ class ReadRequest:
     tag: Any = None
 
 
-class Cancelled(Exception):  # noqa: N818 - raised by dest() callbacks that give up
+class Cancelled(Exception):
     """A request's ``dest()`` saw the handle cancelled while waiting for its buffer."""
 
 

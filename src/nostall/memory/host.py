@@ -14,6 +14,7 @@ ranges at segment boundaries.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -72,10 +73,8 @@ class HostArena:
         if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
             # Fewer page faults on first touch and fewer pages to lock; harmless where
             # transparent huge pages are off.
-            try:
+            with contextlib.suppress(OSError):
                 self._map.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:
-                pass
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         self.address = self.tensor.data_ptr()
         self._registered: list[bool] = [False] * self.num_segments

@@ -160,7 +160,11 @@ class Block:
         (if cached) once the last such tensor is garbage.
         """
         mv = self.view()
-        t = torch.frombuffer(mv, dtype=torch.uint8) if self.size else torch.empty(0, dtype=torch.uint8)
+        t = (
+            torch.frombuffer(mv, dtype=torch.uint8)
+            if self.size
+            else torch.empty(0, dtype=torch.uint8)
+        )
         self._pool._lease(self, mv)
         return t
 
@@ -229,7 +233,9 @@ class PinnedPool:
         self._pin_error: BaseException | None = None
         self._pinner: threading.Thread | None = None
         if background:
-            self._pinner = threading.Thread(target=self._pin_all, name="nostall-pool-pin", daemon=True)
+            self._pinner = threading.Thread(
+                target=self._pin_all, name="nostall-pool-pin", daemon=True
+            )
             self._pinner.start()
         else:
             self._pin_all()
@@ -307,9 +313,7 @@ class PinnedPool:
         """
         with self._lock:
             self._drain()
-            victims = [
-                b for k, b in self._cache.items() if (key is None or k == key) and _idle(b)
-            ]
+            victims = [b for k, b in self._cache.items() if (key is None or k == key) and _idle(b)]
             for b in victims:
                 self._drop(b)
             return sum(b.size for b in victims)
@@ -385,7 +389,7 @@ class PinnedPool:
         # Best fit keeps big holes for big checkpoints; ties go to the lowest address,
         # which the background thread pins first.
         best = None
-        for i, (off, run) in enumerate(self._free):
+        for i, (_, run) in enumerate(self._free):
             if run >= size and (best is None or run < self._free[best][1]):
                 best = i
         if best is None:

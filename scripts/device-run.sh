@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One GPU-machine run: install the brought wheels, run the cuda tests, then the given steps.
+#   bash scripts/device-run.sh tests tune bench-load bench-decode
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/bench-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/src
+export NOSTALL_COMMIT=$(cat .commit 2>/dev/null || echo unknown)
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+rc=0
+for step in "$@"; do
+  echo "=== $step $(date -u +%T)"
+  case $step in
+    tests) python3 -m pytest -q -m cuda -rA tests 2>&1 | tail -n 60 | tee "$OUT/cuda-tests.txt" || rc=1 ;;
+    alltests) python3 -m pytest -q -x tests 2>&1 | tail -n 40 | tee "$OUT/all-tests.txt" || rc=1 ;;
+    gen) python3 -c "from nostall.bench.checkpoints import make_checkpoint; print(make_checkpoint('bench-out/flux', device='cuda'))" || rc=1 ;;
+    tune) python3 scripts/tune_load.py bench-out/flux 2>&1 | tee "$OUT/tune.txt" || rc=1 ;;
+    bench-load) python3 -m nostall.cli.main bench load --folder bench-out/flux --out "$OUT/load.json" 2>&1 | tee "$OUT/bench-load.txt" || rc=1 ;;
+    bench-decode) python3 -m nostall.cli.main bench decode --out "$OUT/decode.json" 2>&1 | tee "$OUT/bench-decode.txt" || rc=1 ;;
+    *) echo "unknown step $step"; rc=1 ;;
+  esac
+done
+exit $rc

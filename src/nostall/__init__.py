@@ -1,0 +1,47 @@
+"""nostall: keep GPUs busy in diffusion inference.
+
+Load safetensors checkpoints from storage to the GPU at the speed of the link
+(``load_state_dict``, ``load_model``, ``PinnedPool``), and stream decoded video
+out of the GPU without stalling it (``nostall.video``).
+
+Nothing here touches CUDA at import: streams, pools and threads belong to the
+objects that create them.
+"""
+
+from nostall.api import default_loader, load_model, load_state_dict
+from nostall.errors import (
+    CheckpointError,
+    ClosedError,
+    DeviceError,
+    LatentsError,
+    ModelMismatchError,
+    NostallError,
+    PoolExhausted,
+    ReadError,
+    SinkError,
+)
+from nostall.memory.pool import PinnedPool, PoolStats
+from nostall.transfer.loader import Loader, LoadResult, LoadStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "ClosedError",
+    "DeviceError",
+    "LatentsError",
+    "LoadResult",
+    "LoadStats",
+    "Loader",
+    "ModelMismatchError",
+    "NostallError",
+    "PinnedPool",
+    "PoolExhausted",
+    "PoolStats",
+    "ReadError",
+    "SinkError",
+    "__version__",
+    "default_loader",
+    "load_model",
+    "load_state_dict",
+]

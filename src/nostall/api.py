@@ -1,0 +1,131 @@
+"""The top-level calls: ``load_state_dict`` and ``load_model``."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import threading
+import time
+
+import torch
+from torch import nn
+
+from nostall.checkpoint import resolve
+from nostall.errors import CheckpointError
+from nostall.memory.pool import PinnedPool
+from nostall.transfer.loader import Loader, LoadStats
+
+__all__ = ["default_loader", "load_model", "load_model_with_stats", "load_state_dict"]
+
+_default: Loader | None = None
+_default_lock = threading.Lock()
+
+
+def default_loader() -> Loader:
+    """The process-wide :class:`Loader` behind :func:`load_state_dict`.
+
+    Created on first use (never at import), closed at interpreter exit. It owns
+    reader threads and, after the first GPU load without a pool, a small pinned
+    staging ring, so one-shot loads never pay for pinning gigabytes. Services
+    that want to own these resources create their own :class:`Loader`.
+    """
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Loader()
+            atexit.register(_default.close)
+        return _default
+
+
+def load_state_dict(
+    path: str | os.PathLike,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    pool: PinnedPool | None = None,
+) -> dict[str, torch.Tensor]:
+    """Load every tensor of a safetensors checkpoint onto ``device``.
+
+    ``path`` is a ``.safetensors`` file, a ``.safetensors.index.json`` of shards, or a
+    diffusers/transformers component folder. Reader threads fill host memory and
+    each chunk is copied to the GPU as soon as it lands; the tensors are views into
+    one flat device allocation per checkpoint. ``dtype`` casts floating tensors
+    (fp16/bf16/fp32/fp64; fp8 and integers are kept) on the device after the copy.
+
+    With a ``pool``, the bytes land in a pinned pool block and stay cached there:
+    loading the same files again is one host→device copy. On ``device="cpu"`` the
+    returned tensors are then views into the pool block, which stays reserved until
+    they are garbage. Without a pool, CPU tensors own fresh page-aligned memory.
+
+    Raises :class:`~nostall.CheckpointError` for malformed or incomplete checkpoints,
+    :class:`~nostall.ReadError` when a read fails, :class:`~nostall.PoolExhausted`
+    when the pool cannot hold the checkpoint, :class:`~nostall.DeviceError` for an
+    unusable device.
+
+    >>> import nostall, torch
+    >>> sd = nostall.load_state_dict("flux/transformer", device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+    >>> pool = nostall.PinnedPool(64 << 30)  # doctest: +SKIP
+    >>> sd = nostall.load_state_dict("flux/transformer", device="cuda", pool=pool)  # doctest: +SKIP
+    """
+    return default_loader().load(path, device=device, dtype=dtype, pool=pool).tensors
+
+
+def load_model(
+    path: str | os.PathLike,
+    model_cls: type[nn.Module] | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    pool: PinnedPool | None = None,
+    strict: bool = True,
+    variant: str | None = None,
+) -> nn.Module:
+    """Build a diffusers or transformers module from a component folder, skipping init.
+
+    The module is constructed on the ``meta`` device (no weight is initialised or
+    allocated), then adopts the loaded tensors as its parameters without a copy.
+    ``model_cls`` defaults to the class named in ``config.json`` (``_class_name``
+    for diffusers, ``architectures`` for transformers). Missing, unexpected and
+    mis-shaped tensors are reported together in one :class:`~nostall.ModelMismatchError`.
+
+    >>> import nostall, torch
+    >>> vae = nostall.load_model("sdxl/vae", device="cuda", dtype=torch.float16)  # doctest: +SKIP
+    """
+    return load_model_with_stats(
+        path, model_cls, device=device, dtype=dtype, pool=pool, strict=strict, variant=variant
+    )[0]
+
+
+def load_model_with_stats(
+    path: str | os.PathLike,
+    model_cls: type[nn.Module] | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    pool: PinnedPool | None = None,
+    strict: bool = True,
+    variant: str | None = None,
+    loader: Loader | None = None,
+) -> tuple[nn.Module, LoadStats]:
+    """:func:`load_model`, also returning the phase timings (``build_s`` included)."""
+    from nostall.assemble import adopt, build_empty, resolve_model_class
+
+    ckpt = resolve(path, variant=variant)
+    folder = ckpt.folder or os.path.dirname(os.path.abspath(ckpt.files[0].path))
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise CheckpointError(
+            "no config.json beside the weights, so the module cannot be built; pass the "
+            "component folder (config.json + weights)",
+            path=folder,
+        )
+    cls = model_cls or resolve_model_class(folder)
+    result = (loader or default_loader()).load(ckpt, device=device, dtype=dtype, pool=pool)
+    t0 = time.perf_counter()
+    module = build_empty(cls, folder)
+    module = adopt(module, result.tensors, strict=strict, path=folder)
+    build_s = time.perf_counter() - t0
+    stats = dataclasses.replace(
+        result.stats, build_s=build_s, total_s=result.stats.total_s + build_s
+    )
+    return module, stats

@@ -1,0 +1,204 @@
+from __future__ import annotations
+
+import gc
+import json
+import os
+import struct
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import nostall
+from nostall.errors import CheckpointError, ClosedError, DeviceError, PoolExhausted, ReadError
+from nostall.io.base import ReadBackend
+from nostall.transfer.loader import Loader
+
+from support import assert_same, bits, make_sharded, sample_tensors
+
+
+@pytest.fixture
+def loader():
+    with Loader(threads=3, block_bytes=4096, chunk_bytes=8192) as ld:
+        yield ld
+
+
+@pytest.fixture
+def pool():
+    with nostall.PinnedPool(64 << 20, slab_bytes=2 << 20, pin=False) as p:
+        p.wait_pinned()
+        yield p
+
+
+@pytest.fixture
+def big_file(tmp_path):
+    # Bigger than a slab of the pool fixture, so copies and reads cross slab edges.
+    t = sample_tensors()
+    g = torch.Generator().manual_seed(1)
+    t["big"] = torch.randn(700_000, generator=g)  # 2.8 MB
+    path = tmp_path / "big.safetensors"
+    save_file(t, str(path))
+    return path
+
+
+@pytest.mark.parametrize("mode", ["buffered", "direct"])
+def test_equal_to_safetensors_every_dtype(loader, ckpt_file, mode):
+    loader.read_mode = mode
+    result = loader.load(ckpt_file)
+    assert_same(result.tensors, load_file(str(ckpt_file)))
+    assert result.metadata == {"format": "pt", "origin": "test"}
+    s = result.stats
+    assert s.scenario == "read" and s.path == "host" and s.read_mode in (mode, "buffered")
+    assert s.nbytes == sum(t.numel() * t.element_size() for t in result.tensors.values())
+
+
+@pytest.mark.parametrize("mode", ["buffered", "direct"])
+def test_pool_read_then_memory_cache_hit(loader, pool, big_file, mode):
+    loader.read_mode = mode
+    ref = load_file(str(big_file))
+    first = loader.load(big_file, pool=pool)
+    assert first.stats.scenario == "read" and first.stats.path == "pool"
+    assert_same(first.tensors, ref)
+    second = loader.load(big_file, pool=pool)
+    assert second.stats.scenario == "memory-cache hit" and second.stats.read_s == 0
+    assert_same(second.tensors, ref)
+    # CPU tensors from the pool are views of the cached block, not copies
+    assert first.tensors["big"].data_ptr() == second.tensors["big"].data_ptr()
+    assert pool.stats().blocks == 1
+
+
+def test_changed_file_is_not_served_from_cache(loader, pool, tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_file({"w": torch.zeros(10)}, str(path))
+    loader.load(path, pool=pool)
+    time.sleep(0.01)
+    save_file({"w": torch.ones(10)}, str(path))
+    result = loader.load(path, pool=pool)
+    assert result.stats.scenario == "read"
+    assert torch.equal(result.tensors["w"], torch.ones(10))
+
+
+def test_sharded_checkpoint(loader, tmp_path, tensors):
+    index = make_sharded(tmp_path, tensors, shards=3)
+    assert_same(loader.load(index).tensors, tensors)
+
+
+def test_dtype_cast_keeps_fp8_and_integers(loader, ckpt_file, tensors):
+    out = loader.load(ckpt_file, dtype=torch.bfloat16).tensors
+    for k, t in tensors.items():
+        if t.dtype in (torch.float16, torch.float32, torch.float64, torch.bfloat16):
+            assert out[k].dtype == torch.bfloat16
+            assert torch.equal(out[k], t.to(torch.bfloat16))
+        else:
+            assert out[k].dtype == t.dtype
+            assert torch.equal(bits(out[k]), bits(t))
+    with pytest.raises(ValueError, match="cast target"):
+        loader.load(ckpt_file, dtype=torch.int8)
+
+
+def test_misaligned_tensor_is_copied_not_viewed(loader, tmp_path):
+    # A writer that does not pad the header leaves the data section at an odd offset.
+    data = torch.arange(6, dtype=torch.float32).numpy().tobytes()
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}).encode()
+    header += b" " * ((2 - len(header)) % 8 + 8)  # 8 + len(header) ≡ 2 (mod 4)
+    assert (8 + len(header)) % 4 == 2
+    path = tmp_path / "odd.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    w = loader.load(path).tensors["w"]
+    assert torch.equal(w, torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    assert w.data_ptr() % 4 == 0
+
+
+def test_empty_checkpoint(loader, tmp_path):
+    path = tmp_path / "empty.safetensors"
+    save_file({}, str(path))
+    assert loader.load(path).tensors == {}
+
+
+def failing_after(n: int):
+    """A ``ReadBackend._pread`` whose n-th system call fails, as a disk error would."""
+    real = ReadBackend._pread
+    calls = [0]
+
+    def pread(backend, dest, offset):
+        calls[0] += 1
+        if calls[0] == n:
+            raise ReadError(f"injected EIO at offset {offset}", path=backend.path)
+        return real(backend, dest, offset)
+
+    return pread
+
+
+def test_read_error_returns_every_pool_block(loader, pool, big_file, monkeypatch):
+    monkeypatch.setattr(ReadBackend, "_pread", failing_after(20))
+    t = time.perf_counter()
+    with pytest.raises(ReadError, match="injected EIO") as info:
+        loader.load(big_file, pool=pool)
+    assert time.perf_counter() - t < 1.0
+    assert info.value.path == str(big_file)
+    s = pool.stats()
+    assert s.blocks == 0 and s.free == pool.capacity and pool.cached_keys() == []
+    monkeypatch.undo()
+    # the loader and pool still work, and the half-read bytes were not cached
+    r = loader.load(big_file, pool=pool)
+    assert r.stats.scenario == "read"
+    assert_same(r.tensors, load_file(str(big_file)))
+
+
+def test_truncated_file_fails_fast_and_clean(loader, pool, big_file):
+    raw = big_file.read_bytes()
+    big_file.write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(CheckpointError, match="outside the data section") as info:
+        loader.load(big_file, pool=pool)
+    assert info.value.path == str(big_file) and info.value.tensor is not None
+    assert pool.stats().blocks == 0
+
+
+def test_pool_too_small_is_a_clear_error(loader, big_file):
+    with nostall.PinnedPool(2 << 20, pin=False) as small:
+        with pytest.raises(PoolExhausted, match="cannot hold"):
+            loader.load(big_file, pool=small)
+        assert small.stats().blocks == 0
+
+
+def test_unsupported_torch_dtype(loader, tmp_path):
+    header = json.dumps({"w": {"dtype": "F6_E2M3", "shape": [4], "data_offsets": [0, 3]}}).encode()
+    path = tmp_path / "f6.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0\0\0")
+    with pytest.raises(CheckpointError, match="no torch equivalent") as info:
+        loader.load(path)
+    assert info.value.tensor == "w"
+
+
+def test_cuda_without_gpu_is_a_device_error(loader, ckpt_file):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(DeviceError, match="device='cpu'"):
+        loader.load(ckpt_file, device="cuda")
+    with pytest.raises(DeviceError, match="not supported"):
+        loader.load(ckpt_file, device="meta")
+    with pytest.raises(DeviceError):
+        loader.load(ckpt_file, device="gpu7")
+
+
+def test_closed_loader_and_pool(ckpt_file, pool):
+    ld = Loader(threads=1)
+    ld.close()
+    with pytest.raises(ClosedError):
+        ld.load(ckpt_file)
+    pool.close()
+    with Loader(threads=1) as ld2, pytest.raises(ClosedError):
+        ld2.load(ckpt_file, pool=pool)
+
+
+def test_cpu_tensors_outlive_everything(ckpt_file, tensors):
+    with Loader(threads=2) as ld:
+        out = ld.load(ckpt_file).tensors
+    gc.collect()
+    assert_same(out, tensors)
+
+
+def test_top_level_load_state_dict(ckpt_file, tensors):
+    assert_same(nostall.load_state_dict(ckpt_file), tensors)
+    assert_same(nostall.load_state_dict(os.fspath(ckpt_file), device="cpu"), tensors)
