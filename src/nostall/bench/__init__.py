@@ -1,0 +1,1 @@
+"""Reproducible benchmarks against the peers; each writes JSON that docs/BENCHMARKS.md cites."""

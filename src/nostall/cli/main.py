@@ -1,0 +1,216 @@
+"""The ``nostall`` command: a thin layer over the public API."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from nostall.errors import NostallError
+
+app = typer.Typer(
+    help="Keep GPUs busy in diffusion inference: fast checkpoint loading, stall-free video output.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+bench_app = typer.Typer(help="Benchmarks against the peers, written as JSON.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+# Wide enough for the phase tables when piped to a file or a CI log.
+console = Console(width=None if sys.stdout.isatty() else 150)
+
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
+
+
+def _dtype(name: str | None):
+    import torch
+
+    if name is None:
+        return None
+    key = _DTYPES.get(name.lower(), name.lower())
+    dt = getattr(torch, key, None)
+    if not isinstance(dt, torch.dtype):
+        raise typer.BadParameter(f"unknown dtype {name!r}; use one of {', '.join(_DTYPES)}")
+    return dt
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _phase_table(title: str, rows: list[tuple]) -> Table:
+    table = Table(title=title)
+    for col in ("method", "scenario", "read s", "H2D s", "build s", "total s", "GB/s", "equal"):
+        table.add_column(col, justify="left" if col in ("method", "scenario") else "right")
+    for r in rows:
+        table.add_row(*r)
+    return table
+
+
+@app.command()
+def demo(
+    device: str = typer.Option(None, help="cpu or cuda[:N] (default: cuda when available)."),
+    size_mb: int = typer.Option(256, help="Size of the demo checkpoint in MB."),
+) -> None:
+    """Write a multi-dtype checkpoint, load it with safetensors and nostall, compare."""
+    from nostall.demo import run_demo
+
+    device = device or _default_device()
+    console.print(
+        f"[bold]nostall demo[/bold] on {device}: writing a {size_mb} MB multi-dtype checkpoint…"
+    )
+    rows, size = run_demo(device=device, nbytes=size_mb << 20)
+    out = []
+    for r in rows:
+        s = r.stats
+        out.append(
+            (
+                r.method,
+                s.scenario if s else "-",
+                f"{s.read_s:.3f}" if s else "-",
+                f"{s.h2d_s:.3f}" if s else "-",
+                "-",
+                f"{r.seconds:.3f}",
+                f"{r.gbps:.2f}",
+                "yes" if r.equal else "[red]NO[/red]",
+            )
+        )
+    console.print(_phase_table(f"{size / 1e6:.0f} MB checkpoint → {device}", out))
+    if not all(r.equal for r in rows):
+        console.print("[red]nostall's tensors differ from safetensors'[/red]")
+        raise typer.Exit(1)
+    console.print("All tensors equal to safetensors.load_file, bit for bit.")
+
+
+@app.command()
+def load(
+    path: str = typer.Argument(
+        ..., help="A .safetensors file, a shard index, or a component folder."
+    ),
+    device: str = typer.Option(None, help="cpu or cuda[:N] (default: cuda when available)."),
+    dtype: str = typer.Option(None, help="Cast floating tensors on the device: bf16, fp16, fp32."),
+    model: bool = typer.Option(False, "--model", help="Also build the module (needs config.json)."),
+    pool_gb: float = typer.Option(
+        0.0,
+        help="Load through a pinned pool of this many GB; loads twice "
+        "to show the memory-cache hit.",
+    ),
+    read_mode: str = typer.Option("auto", help="auto, buffered or direct (O_DIRECT)."),
+    threads: int = typer.Option(None, help="Reader threads (default: CPUs, at most 16)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the phase timings as JSON."),
+) -> None:
+    """Load a checkpoint and print the read / H2D / build phases and GB/s."""
+    import dataclasses
+
+    from nostall.api import load_model_with_stats
+    from nostall.memory.pool import PinnedPool
+    from nostall.transfer.loader import Loader
+
+    device = device or _default_device()
+    dt = _dtype(dtype)
+    rows, records = [], []
+    with Loader(threads=threads, read_mode=read_mode) as loader:
+        pool = None
+        if pool_gb > 0:
+            pool = PinnedPool(int(pool_gb * 1e9))
+            with console.status("pinning the pool…"):
+                pool.wait_pinned()
+        try:
+            for _attempt in range(2 if pool else 1):
+                if model:
+                    _, stats = load_model_with_stats(
+                        path, device=device, dtype=dt, pool=pool, loader=loader
+                    )
+                else:
+                    stats = loader.load(path, device=device, dtype=dt, pool=pool).stats
+                records.append(dataclasses.asdict(stats))
+                rows.append(
+                    (
+                        "nostall" + (" load_model" if model else ""),
+                        stats.scenario,
+                        f"{stats.read_s:.3f}",
+                        f"{stats.h2d_s:.3f}",
+                        f"{stats.build_s:.3f}" if model else "-",
+                        f"{stats.total_s:.3f}",
+                        f"{stats.gbps:.2f}",
+                        "-",
+                    )
+                )
+        finally:
+            if pool is not None:
+                pool.close()
+    if as_json:
+        print(json.dumps(records, indent=2))
+        return
+    last = records[-1]
+    console.print(
+        _phase_table(
+            f"{last['source']} → {last['device']}: {last['nbytes'] / 1e9:.3f} GB, "
+            f"{last['num_tensors']} tensors, read mode {last['read_mode']}",
+            rows,
+        )
+    )
+
+
+@bench_app.command("load")
+def bench_load(
+    preset: str = typer.Option(
+        "flux", help="flux (23.8 GB FluxTransformer2DModel default config) or tiny."
+    ),
+    device: str = typer.Option(None, help="cuda[:N] or cpu (default: cuda when available)."),
+    folder: str = typer.Option(
+        "/tmp/nostall-bench/flux", help="Where the random checkpoint is written."
+    ),
+    out: str = typer.Option("docs/bench/load.json", help="JSON report path."),
+    scenario: list[str] = typer.Option(None, help="Scenarios to run (default: all three)."),  # noqa: B008
+    repeat: int = typer.Option(2, help="Runs per method in warm scenarios (best is reported)."),
+    method: list[str] = typer.Option(None, help="Only these methods (by name)."),  # noqa: B008
+) -> None:
+    """FLUX-size checkpoint → GPU: nostall vs safetensors, diffusers, fastsafetensors, runai."""
+    from nostall.bench.load import SCENARIOS, run_load_bench, summarize, write_report
+
+    device = device or _default_device()
+    report = run_load_bench(
+        preset=preset,
+        device=device,
+        folder=folder,
+        scenarios=tuple(scenario) if scenario else SCENARIOS,
+        repeat=repeat,
+        methods=tuple(method) if method else None,
+        log=lambda s: console.print(s, highlight=False),
+    )
+    write_report(report, out)
+    table = Table(
+        title=f"load bench ({preset}, {report['checkpoint']['bytes'] / 1e9:.2f} GB) on "
+        f"{report['hardware'].get('gpu', device)}"
+    )
+    table.add_column("method")
+    for s in SCENARIOS:
+        table.add_column(s, justify="right")
+    for row in summarize(report):
+        table.add_row(*row)
+    console.print(table)
+    for t in report["targets"]:
+        mark = {True: "[green]met[/green]", False: "[red]MISSED[/red]", None: "?"}[t["met"]]
+        console.print(f"{mark}  {t['target']}: {t['detail']}")
+    console.print(f"report written to {out}")
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        app()
+    except NostallError as e:
+        console.print(f"[red]error:[/red] {type(e).__name__}: {e}", highlight=False)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""``nostall demo``: the main job on its built-in default, on whatever machine this is.
+
+Writes a multi-dtype checkpoint (fp32, bf16, fp16, fp8, int64, bool, a scalar, an
+empty tensor) to a temporary folder, loads it with safetensors and with nostall
+(one-shot, into a pool, and again from the pool), checks every tensor is equal
+bit for bit, and reports the phases and throughput of each load.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+from nostall.memory.pool import PinnedPool
+from nostall.transfer.loader import Loader, LoadStats
+
+__all__ = ["DemoRow", "demo_tensors", "run_demo"]
+
+
+def demo_tensors(nbytes: int, *, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A state dict of about ``nbytes`` covering every common dtype and edge shape."""
+    g = torch.Generator().manual_seed(seed)
+    # four big square tensors of 4 + 2 + 2 + 1 bytes per element share the bytes
+    side = max(64, int((nbytes / 9) ** 0.5))
+    out = {
+        "blocks.0.weight": torch.randn(side, side, generator=g),
+        "blocks.1.weight": torch.randn(side, side, generator=g).to(torch.bfloat16),
+        "blocks.2.weight": torch.randn(side, side, generator=g).to(torch.float16),
+        "blocks.3.weight": torch.randn(side, side, generator=g).to(torch.float8_e4m3fn),
+        "blocks.0.bias": torch.randn(side, generator=g),
+        "positions": torch.arange(4097, dtype=torch.int64),
+        "mask": torch.rand(333, generator=g) > 0.5,
+        "scale": torch.tensor(0.125),
+        "empty": torch.empty(0, 16),
+    }
+    return out
+
+
+@dataclass(frozen=True)
+class DemoRow:
+    method: str
+    seconds: float
+    gbps: float
+    equal: bool
+    stats: LoadStats | None = None
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        if not torch.equal(
+            x.cpu().reshape(-1).view(torch.uint8), y.cpu().reshape(-1).view(torch.uint8)
+        ):
+            return False
+    return True
+
+
+def run_demo(
+    *, device: str, nbytes: int = 256 << 20, folder: str | None = None
+) -> tuple[list[DemoRow], int]:
+    """Run the demo; return the rows and the checkpoint size in bytes."""
+    from safetensors.torch import load_file, save_file
+
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        path = os.path.join(tmp, "demo.safetensors")
+        save_file(demo_tensors(nbytes), path, metadata={"made_by": "nostall demo"})
+        size = os.path.getsize(path)
+        dev = torch.device(device)
+
+        def sync() -> None:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+
+        t = time.perf_counter()
+        ref = load_file(path, device=str(dev))
+        sync()
+        ref_s = time.perf_counter() - t
+        rows = [DemoRow("safetensors load_file", ref_s, size / ref_s / 1e9, True)]
+        with Loader() as loader, PinnedPool(2 * size + (64 << 20)) as pool:
+            loader.prepare(dev)
+            pool.wait_pinned()
+            for name, kwargs in (
+                ("nostall (one-shot)", {}),
+                ("nostall (pool: read)", {"pool": pool}),
+                ("nostall (pool: memory-cache hit)", {"pool": pool}),
+            ):
+                t = time.perf_counter()
+                result = loader.load(path, device=dev, **kwargs)
+                sync()
+                s = time.perf_counter() - t
+                rows.append(
+                    DemoRow(name, s, size / s / 1e9, _same(result.tensors, ref), result.stats)
+                )
+                del result
+        return rows, size

@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from nostall.cli.main import app
+
+runner = CliRunner()
+
+
+def test_demo_runs_and_checks_equality():
+    result = runner.invoke(app, ["demo", "--device", "cpu", "--size-mb", "8"])
+    assert result.exit_code == 0, result.output
+    assert "memory-cache hit" in result.output
+    assert "All tensors equal" in result.output
+
+
+def test_load_prints_phases(ckpt_file):
+    result = runner.invoke(
+        app, ["load", str(ckpt_file), "--device", "cpu", "--pool-gb", "0.05", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    records = json.loads(result.output)
+    assert [r["scenario"] for r in records] == ["read", "memory-cache hit"]
+    assert all(r["nbytes"] > 0 for r in records)
+
+
+def test_load_model_from_folder(tmp_path):
+    from nostall.bench.checkpoints import make_checkpoint
+
+    make_checkpoint(str(tmp_path), preset="tiny")
+    result = runner.invoke(app, ["load", str(tmp_path), "--device", "cpu", "--model"])
+    assert result.exit_code == 0, result.output
+    assert "build s" in result.output
+
+
+def test_bad_input_is_a_one_line_error_not_a_traceback(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00")
+    proc = subprocess.run(
+        [sys.executable, "-m", "nostall.cli.main", "load", str(bad), "--device", "cpu"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert "CheckpointError" in proc.stdout and str(bad) in proc.stdout.replace("\n", "")
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_bad_dtype_option(ckpt_file):
+    result = runner.invoke(app, ["load", str(ckpt_file), "--device", "cpu", "--dtype", "fp7"])
+    assert result.exit_code != 0
+
+
+@pytest.mark.timeout(300)
+def test_bench_load_tiny_on_cpu_writes_json(tmp_path):
+    out = tmp_path / "load.json"
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            "load",
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--folder",
+            str(tmp_path / "ckpt"),
+            "--out",
+            str(out),
+            "--scenario",
+            "page-cache",
+            "--scenario",
+            "memory-cache",
+            "--repeat",
+            "1",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    recs = {(r["method"], r["scenario"]): r for r in report["records"]}
+    assert recs[("nostall (staging ring)", "page-cache")]["equal"] is True
+    assert recs[("nostall (pool, memory-cache hit)", "memory-cache")]["equal"] is True
+    assert recs[("nostall load_model (pool hit)", "memory-cache")]["equal"] is True
+    assert recs[("diffusers device_map", "page-cache")]["equal"] is True
+    # peers that cannot run here are reported, not dropped
+    assert recs[("fastsafetensors (no GDS)", "page-cache")]["note"].startswith("skipped")
+    assert report["commit"] and report["date"]
