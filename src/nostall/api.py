@@ -109,7 +109,7 @@ def load_model_with_stats(
     loader: Loader | None = None,
 ) -> tuple[nn.Module, LoadStats]:
     """:func:`load_model`, also returning the phase timings (``build_s`` included)."""
-    from nostall.assemble import adopt, build_empty, resolve_model_class
+    from nostall.assemble import adopt, build_empty, resolve_model_class, target_dtypes
 
     ckpt = resolve(path, variant=variant)
     folder = ckpt.folder or os.path.dirname(os.path.abspath(ckpt.files[0].path))
@@ -120,11 +120,15 @@ def load_model_with_stats(
             path=folder,
         )
     cls = model_cls or resolve_model_class(folder)
-    result = (loader or default_loader()).load(ckpt, device=device, dtype=dtype, pool=pool)
     t0 = time.perf_counter()
-    module = build_empty(cls, folder)
-    module = adopt(module, result.tensors, strict=strict, path=folder)
+    module = build_empty(cls, folder, dtype=dtype)
     build_s = time.perf_counter() - t0
+    # Per-tensor dtypes: the library's own from_pretrained keeps some modules in fp32.
+    casts = target_dtypes(module, dtype) if dtype is not None else None
+    result = (loader or default_loader()).load(ckpt, device=device, dtype=casts, pool=pool)
+    t0 = time.perf_counter()
+    module = adopt(module, result.tensors, strict=strict, path=folder)
+    build_s += time.perf_counter() - t0
     stats = dataclasses.replace(
         result.stats, build_s=build_s, total_s=result.stats.total_s + build_s
     )

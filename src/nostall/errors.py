@@ -103,7 +103,9 @@ class PoolExhausted(NostallError):
         largest_free: the largest contiguous free run, in bytes.
     """
 
-    def __init__(self, message: str, *, requested: int, capacity: int, in_use: int, largest_free: int):
+    def __init__(
+        self, message: str, *, requested: int, capacity: int, in_use: int, largest_free: int
+    ):
         self.requested = requested
         self.capacity = capacity
         self.in_use = in_use

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,14 +199,20 @@ class Loader:
         source: str | os.PathLike | Checkpoint,
         *,
         device: str | torch.device = "cpu",
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | Mapping[str, torch.dtype] | None = None,
         pool: PinnedPool | None = None,
     ) -> LoadResult:
-        """Load every tensor of ``source`` onto ``device``; see :func:`nostall.load_state_dict`."""
+        """Load every tensor of ``source`` onto ``device``; see :func:`nostall.load_state_dict`.
+
+        ``dtype`` may also map tensor names to dtypes (names not in it keep theirs):
+        ``load_model`` uses that to keep ``_keep_in_fp32_modules`` in float32.
+        """
         t0 = time.perf_counter()
         dev = resolve_device(device)
-        if dtype is not None and dtype not in _CASTABLE:
-            raise ValueError(f"dtype={dtype} is not a cast target; use one of {list(_CASTABLE)}")
+        targets = dtype.values() if isinstance(dtype, Mapping) else [dtype] if dtype is not None else []
+        for d in targets:
+            if d not in _CASTABLE:
+                raise ValueError(f"dtype={d} is not a cast target; use one of {list(_CASTABLE)}")
         if pool is not None and pool.closed:
             raise ClosedError("the pinned pool passed to load() is closed")
         ckpt = source if isinstance(source, Checkpoint) else resolve(source)
@@ -492,12 +499,15 @@ def _views(base, ckpt, layout, entries, dtypes, *, on_device: bool) -> dict[str,
 
 
 def _cast(
-    tensors: dict[str, torch.Tensor], dtype: torch.dtype, dev: torch.device
+    tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype | Mapping[str, torch.dtype],
+    dev: torch.device,
 ) -> dict[str, torch.Tensor]:
     """Cast floating tensors to ``dtype`` into one new flat allocation (others copied as-is)."""
     plan, size = [], 0
     for name, t in tensors.items():
-        dt = dtype if t.dtype in _CASTABLE else t.dtype
+        want = dtype.get(name, t.dtype) if isinstance(dtype, Mapping) else dtype
+        dt = want if t.dtype in _CASTABLE else t.dtype
         size = round_up(size, _DEV_ALIGN)
         plan.append((name, t, dt, size))
         size += t.numel() * dt.itemsize
