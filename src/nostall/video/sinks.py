@@ -1,0 +1,738 @@
+"""Frame sinks: where decoded uint8 frames go (an mp4, a .npy, a .y4m, a PNG folder, nowhere).
+
+Every file sink writes under a temporary name next to the target
+(``.{name}.{random}.partial``) and renames it into place with ``os.replace`` only in
+``close()``, so a reader never sees half a video under the final name, and ``abort()``
+(or an exception inside a ``with`` block) leaves nothing behind.
+
+Example::
+
+    with sink_for_path("out/clip.mp4", fps=16) as sink:
+        for chunk in decode_chunks(vae, z):
+            sink.write(to_uint8_frames(chunk).cpu().numpy())   # uint8 (t, H, W, 3)
+    # out/clip.mp4 now exists; on an exception it would not.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import math
+import os
+import secrets
+import shutil
+import struct
+from fractions import Fraction
+from types import ModuleType, TracebackType
+from typing import Any
+
+import numpy as np
+
+from nostall.errors import SinkError
+
+__all__ = [
+    "FrameSink",
+    "Mp4Sink",
+    "NpySink",
+    "NullSink",
+    "PngSink",
+    "Y4mSink",
+    "sink_for_path",
+]
+
+_OPEN, _FAILED, _CLOSED, _ABORTED = "open", "failed", "closed", "aborted"
+
+_X264_PRESETS = (
+    "ultrafast",
+    "superfast",
+    "veryfast",
+    "faster",
+    "fast",
+    "medium",
+    "slow",
+    "slower",
+    "veryslow",
+    "placebo",
+)
+
+_SUPPORTED = (
+    ".mp4 (H.264), .npy (uint8 array), .y4m (raw YUV 4:4:4), or a folder path with no "
+    "suffix or a trailing '/' (PNG frames)"
+)
+
+
+class FrameSink(abc.ABC):
+    """Destination for a stream of uint8 RGB frames.
+
+    Contract (the streaming pipeline relies on it; calls come from one thread, in order):
+
+    * ``write(frames)`` takes C-contiguous uint8 ``(t, H, W, 3)``. The caller reuses the
+      buffer as soon as ``write`` returns, so a sink never keeps a reference to it. The
+      first write fixes ``H`` and ``W``; a later write of another size raises
+      :class:`SinkError` and leaves the sink usable. OS errors (disk full, EIO) surface
+      as :class:`SinkError` with the ``OSError`` as ``__cause__``; after one, the sink only
+      accepts ``abort()`` (``close()`` aborts and raises).
+    * ``close()`` finishes the output and renames it into place. Idempotent. A file sink
+      that received no frames raises :class:`SinkError` (and removes its temporary).
+    * ``abort()`` discards the output; nothing remains under the final name or the
+      temporary name. Idempotent; does nothing after a successful ``close()``.
+    * As a context manager, a clean exit closes and an exception aborts.
+    * ``write`` after ``close``/``abort`` raises :class:`SinkError`.
+    * An existing file at the final path is replaced, atomically, at ``close()``.
+    * Sinks are not thread-safe: drive each one from a single thread.
+
+    Example::
+
+        >>> with NullSink() as sink:
+        ...     sink.write(np.zeros((4, 480, 832, 3), np.uint8))
+        >>> sink.frames_written
+        4
+    """
+
+    # File sinks cannot produce a valid file without knowing the frame size.
+    _requires_frames = True
+
+    def __init__(self) -> None:
+        self._state = _OPEN
+        self._size: tuple[int, int] | None = None  # (H, W)
+        self._frames_written = 0
+
+    @property
+    def path(self) -> str | None:
+        """The final output path (``None`` for sinks that write no file)."""
+        return None
+
+    @property
+    def frames_written(self) -> int:
+        """Frames accepted so far."""
+        return self._frames_written
+
+    @property
+    def frame_size(self) -> tuple[int, int] | None:
+        """``(H, W)`` fixed by the first write, ``None`` before it."""
+        return self._size
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` or ``abort()`` has run."""
+        return self._state in (_CLOSED, _ABORTED)
+
+    def write(self, frames: np.ndarray) -> None:
+        """Append uint8 ``(t, H, W, 3)`` frames. The buffer may be reused on return.
+
+        Example::
+
+            >>> sink.write(np.zeros((1, 480, 832, 3), np.uint8))
+        """
+        if self._state != _OPEN:
+            raise SinkError(self._not_open_reason("write"), path=self.path)
+        self._check_frames(frames)
+        t, h, w, _ = frames.shape
+        if self._size is None:
+            self._check_size(h, w)
+        elif (h, w) != self._size:
+            raise SinkError(
+                f"frame size changed from {self._size[0]}x{self._size[1]} (H x W, fixed by the "
+                f"first write) to {h}x{w}; a sink holds one video of one size: open another sink "
+                f"for frames of a different size",
+                path=self.path,
+            )
+        if t == 0:
+            return
+        first = self._frames_written
+        try:
+            if self._size is None:
+                self._start(h, w)
+                self._size = (h, w)
+            self._write(np.ascontiguousarray(frames))
+        except self._io_errors() as e:
+            self._state = _FAILED
+            raise SinkError(
+                f"writing frames {first}..{first + t - 1} failed: {e}. Free space or fix the "
+                f"device, then call abort() to remove the partial output",
+                path=self.path,
+            ) from e
+        except BaseException:
+            # Whatever happened, the output may now be inconsistent.
+            self._state = _FAILED
+            raise
+        self._frames_written += t
+
+    def close(self) -> None:
+        """Finish the output and move it to its final name. Idempotent.
+
+        Example::
+
+            >>> sink.close()
+            >>> os.path.exists(sink.path)
+            True
+        """
+        if self._state == _CLOSED:
+            return
+        if self._state == _ABORTED:
+            raise SinkError("close() after abort(): the output was discarded", path=self.path)
+        if self._state == _FAILED:
+            self.abort()
+            raise SinkError(
+                "close() after a failed write: the partial output was removed", path=self.path
+            )
+        if self._requires_frames and self._frames_written == 0:
+            self.abort()
+            raise SinkError(
+                "no frames were written, so there is no video to finish (the temporary "
+                "output was removed); write at least one frame before close()",
+                path=self.path,
+            )
+        try:
+            self._finish()
+        except self._io_errors() as e:
+            self._state = _FAILED
+            self.abort()
+            raise SinkError(
+                f"finishing the output failed: {e}; the partial output was removed",
+                path=self.path,
+            ) from e
+        except BaseException:
+            self._state = _FAILED
+            self.abort()
+            raise
+        self._state = _CLOSED
+
+    def abort(self) -> None:
+        """Discard the output: remove the temporary file or folder. Idempotent.
+
+        Does nothing after a successful ``close()`` (the finished output is kept).
+
+        Example::
+
+            >>> sink.abort()
+            >>> os.listdir(folder)
+            []
+        """
+        if self._state in (_CLOSED, _ABORTED):
+            return
+        self._state = _ABORTED
+        self._discard()
+
+    def __enter__(self) -> FrameSink:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self._state in (_OPEN, _FAILED):
+            self.close()
+
+    def __repr__(self) -> str:
+        where = f"{self.path!r}, " if self.path is not None else ""
+        return f"{type(self).__name__}({where}frames_written={self._frames_written}, state={self._state!r})"
+
+    def _not_open_reason(self, op: str) -> str:
+        if self._state == _FAILED:
+            return f"{op}() after a failed write; call abort() to clean up"
+        return f"{op}() on a sink that was already {self._state}"
+
+    def _check_frames(self, frames: Any) -> None:
+        if not isinstance(frames, np.ndarray):
+            raise SinkError(
+                f"frames must be a numpy uint8 array (t, H, W, 3), got {type(frames).__name__}; "
+                f"move tensors to the host first (tensor.cpu().numpy())",
+                path=self.path,
+            )
+        if frames.dtype != np.uint8:
+            raise SinkError(
+                f"frames must be uint8, got {frames.dtype} with shape {frames.shape}; convert "
+                f"decoded video with nostall.video.frames.to_uint8_frames",
+                path=self.path,
+            )
+        if frames.ndim != 4 or frames.shape[3] != 3:
+            raise SinkError(
+                f"frames must have shape (t, H, W, 3), got {frames.shape}; wrap a single "
+                f"(H, W, 3) frame as frames[None]",
+                path=self.path,
+            )
+        if frames.shape[1] == 0 or frames.shape[2] == 0:
+            raise SinkError(f"frames have an empty image: shape {frames.shape}", path=self.path)
+
+    # Hooks for concrete sinks.
+
+    def _io_errors(self) -> tuple[type[BaseException], ...]:
+        """Exception types that mean 'the output could not be written'."""
+        return (OSError,)
+
+    def _check_size(self, height: int, width: int) -> None:
+        """Reject a frame size on the first write (raise SinkError); nothing written yet."""
+        return None
+
+    @abc.abstractmethod
+    def _start(self, height: int, width: int) -> None:
+        """Prepare for frames of this size (first non-empty write only)."""
+
+    @abc.abstractmethod
+    def _write(self, frames: np.ndarray) -> None:
+        """Write C-contiguous uint8 (t, H, W, 3) frames; never keep a reference to them."""
+
+    @abc.abstractmethod
+    def _finish(self) -> None:
+        """Complete the output and move it to its final name."""
+
+    @abc.abstractmethod
+    def _discard(self) -> None:
+        """Release handles and remove partial output; best effort, called once."""
+
+
+class NullSink(FrameSink):
+    """A sink that checks and counts frames and writes nothing (benchmarks, dry runs).
+
+    Example::
+
+        >>> sink = NullSink()
+        >>> sink.write(np.zeros((5, 64, 64, 3), np.uint8))
+        >>> sink.frames_written
+        5
+    """
+
+    _requires_frames = False
+
+    def _start(self, height: int, width: int) -> None:
+        pass
+
+    def _write(self, frames: np.ndarray) -> None:
+        pass
+
+    def _finish(self) -> None:
+        pass
+
+    def _discard(self) -> None:
+        pass
+
+
+class _AtomicSink(FrameSink):
+    """Writes to ``.{name}.{random}.partial`` beside ``path``; ``os.replace`` on close."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__()
+        self._path = os.fspath(path)
+        folder = os.path.dirname(os.path.abspath(self._path))
+        if not os.path.isdir(folder):
+            raise SinkError(
+                f"the folder {folder!r} does not exist; create it first "
+                f"(os.makedirs({folder!r}, exist_ok=True)) or choose another output path",
+                path=self._path,
+            )
+        self._check_target()
+        name = os.path.basename(os.path.abspath(self._path))
+        for _ in range(16):
+            tmp = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.partial")
+            try:
+                self._create_temp(tmp)
+            except FileExistsError:
+                continue
+            except OSError as e:
+                raise SinkError(
+                    f"cannot create a temporary output in {folder!r}: {e}; check that the "
+                    f"folder is writable and has free space",
+                    path=self._path,
+                ) from e
+            self._tmp = tmp
+            return
+        raise SinkError(f"could not find a free temporary name in {folder!r}", path=self._path)
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def temp_path(self) -> str:
+        """Where the output is written until ``close()`` renames it to :attr:`path`."""
+        return self._tmp
+
+    def _check_target(self) -> None:
+        if os.path.isdir(self._path):
+            raise SinkError(
+                f"{self._path!r} is a folder, but {type(self).__name__} writes one file; "
+                f"give a file path inside it",
+                path=self._path,
+            )
+
+    def _create_temp(self, tmp: str) -> None:
+        # Exclusive create reserves the name; subclasses reopen it.
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+
+    def _remove_temp(self) -> None:
+        os.unlink(self._tmp)
+
+    def _finish(self) -> None:
+        self._finish_temp()
+        os.replace(self._tmp, self._path)
+
+    def _discard(self) -> None:
+        # The temporary is deleted next, so errors while closing it are moot.
+        with contextlib.suppress(Exception):
+            self._release()
+        try:
+            self._remove_temp()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise SinkError(
+                f"could not remove the temporary output {self._tmp!r}: {e}; delete it by hand",
+                path=self._path,
+            ) from e
+
+    @abc.abstractmethod
+    def _finish_temp(self) -> None:
+        """Flush and close the temporary output so it is complete."""
+
+    @abc.abstractmethod
+    def _release(self) -> None:
+        """Close open handles without finishing the output (may raise; ignored)."""
+
+
+class NpySink(_AtomicSink):
+    """Write frames to a ``.npy`` file holding uint8 ``(frames, H, W, 3)``.
+
+    The frame count is unknown while streaming, so a fixed 128-byte header is written
+    first and rewritten with the real shape at ``close()``; the data is aligned to 64
+    bytes, and ``numpy.load(path)`` and ``numpy.load(path, mmap_mode="r")`` read it.
+
+    Example::
+
+        >>> with NpySink("clip.npy") as sink:
+        ...     sink.write(frames)                      # uint8 (t, H, W, 3), any number of times
+        >>> np.load("clip.npy", mmap_mode="r").shape    # (frames, H, W, 3)
+    """
+
+    _HEADER_BYTES = 128
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self._file: Any = None
+        super().__init__(path)
+
+    def _create_temp(self, tmp: str) -> None:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        self._file = os.fdopen(fd, "wb")
+
+    def _header(self, frames: int, height: int, width: int) -> bytes:
+        shape = (frames, height, width, 3)
+        text = f"{{'descr': '|u1', 'fortran_order': False, 'shape': {shape!r}, }}"
+        room = self._HEADER_BYTES - 10 - 1  # magic + version + length, trailing newline
+        if len(text) > room:
+            raise SinkError(f"shape {shape} does not fit the .npy header", path=self._path)
+        body = (text + " " * (room - len(text)) + "\n").encode("latin1")
+        return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(body)) + body
+
+    def _start(self, height: int, width: int) -> None:
+        # Placeholder shape; _finish_temp rewrites it in place (same length) with the count.
+        self._file.write(self._header(0, height, width))
+
+    def _write(self, frames: np.ndarray) -> None:
+        self._file.write(memoryview(frames).cast("B"))
+
+    def _finish_temp(self) -> None:
+        assert self._size is not None
+        self._file.seek(0)
+        self._file.write(self._header(self._frames_written, *self._size))
+        self._file.close()
+
+    def _release(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+class PngSink(_AtomicSink):
+    """Write each frame to ``folder/frame_000000.png``, ``frame_000001.png``, ...
+
+    Frames go to a temporary sibling folder that ``close()`` renames to ``folder``. The
+    target must not exist, or be an empty folder (replaced at close); a non-empty folder
+    is refused so an old run's frames never mix with new ones. ``compress_level`` is
+    zlib's 0-9; the default 1 is several times faster than PIL's 6 for ~10% larger files.
+
+    Example::
+
+        >>> with PngSink("frames/") as sink:
+        ...     sink.write(frames)                 # uint8 (t, H, W, 3)
+        >>> sorted(os.listdir("frames"))[:2]
+        ['frame_000000.png', 'frame_000001.png']
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], *, compress_level: int = 1) -> None:
+        if isinstance(compress_level, bool) or compress_level not in range(10):
+            raise SinkError(f"compress_level must be an int in 0..9, got {compress_level!r}")
+        try:
+            from PIL import Image
+        except ImportError as e:
+            raise ImportError("PngSink needs Pillow: pip install pillow") from e
+        self._image = Image
+        self._compress_level = compress_level
+        folder = os.fspath(folder)
+        super().__init__(folder.rstrip("/" + os.sep) or folder)
+
+    def _check_target(self) -> None:
+        if os.path.lexists(self._path) and not os.path.isdir(self._path):
+            raise SinkError(
+                f"{self._path!r} exists and is not a folder; PngSink needs a folder path",
+                path=self._path,
+            )
+        if os.path.isdir(self._path) and os.listdir(self._path):
+            raise SinkError(
+                f"the folder {self._path!r} already holds files; PngSink writes only into a "
+                f"new or empty folder so frames of different runs never mix: remove it or "
+                f"choose another folder",
+                path=self._path,
+            )
+
+    def _create_temp(self, tmp: str) -> None:
+        os.mkdir(tmp)
+
+    def _remove_temp(self) -> None:
+        shutil.rmtree(self._tmp)
+
+    def _start(self, height: int, width: int) -> None:
+        pass
+
+    def _write(self, frames: np.ndarray) -> None:
+        for i, frame in enumerate(frames):
+            name = os.path.join(self._tmp, f"frame_{self._frames_written + i:06d}.png")
+            self._image.fromarray(frame).save(
+                name, format="PNG", compress_level=self._compress_level
+            )
+
+    def _finish_temp(self) -> None:
+        pass
+
+    def _release(self) -> None:
+        pass
+
+
+def _import_av(who: str) -> ModuleType:
+    try:
+        import av
+    except ImportError as e:
+        raise ImportError(f"{who} needs PyAV: pip install 'nostall[video]' (or av)") from e
+    return av
+
+
+def _check_fps(fps: float | Fraction, path: str | os.PathLike[str] | None) -> Fraction:
+    if isinstance(fps, bool) or not isinstance(fps, (int, float, Fraction)):
+        raise SinkError(f"fps must be a number, got {type(fps).__name__}", path=path)
+    if not math.isfinite(fps) or fps <= 0:
+        raise SinkError(f"fps must be positive and finite, got {fps!r}", path=path)
+    # Containers store rates as small rationals; Fraction(24000, 1001) passes through exact.
+    return Fraction(fps).limit_denominator(100_000)
+
+
+class _AvSink(_AtomicSink):
+    """Shared PyAV muxing: one video stream, frames with pts = frame index."""
+
+    _format: str
+    _codec: str
+
+    def __init__(self, path: str | os.PathLike[str], *, fps: float | Fraction) -> None:
+        self._fps = _check_fps(fps, path)
+        self._av = _import_av(type(self).__name__)
+        if self._codec not in self._av.codecs_available:
+            raise SinkError(
+                f"this PyAV build has no {self._codec!r} encoder; install the PyAV wheel "
+                f"from PyPI (pip install av), which bundles it",
+                path=path,
+            )
+        self._container: Any = None
+        self._stream: Any = None
+        super().__init__(path)
+        try:
+            self._container = self._av.open(self._tmp, "w", format=self._format)
+        except (OSError, self._av.FFmpegError) as e:
+            self._discard()
+            raise SinkError(f"cannot open {self._tmp!r} for writing: {e}", path=path) from e
+
+    def _io_errors(self) -> tuple[type[BaseException], ...]:
+        return (OSError, self._av.FFmpegError)
+
+    def _start(self, height: int, width: int) -> None:
+        stream = self._container.add_stream(self._codec, rate=self._fps)
+        stream.width = width
+        stream.height = height
+        self._configure(stream)
+        self._stream = stream
+
+    def _configure(self, stream: Any) -> None:
+        """Set pixel format and codec options on a new stream."""
+
+    def _to_frame(self, rgb: np.ndarray) -> Any:
+        # from_ndarray copies, so the caller's buffer is free once write() returns even
+        # though the encoder holds frames for look-ahead.
+        return self._av.VideoFrame.from_ndarray(rgb, format="rgb24")
+
+    def _write(self, frames: np.ndarray) -> None:
+        for i, rgb in enumerate(frames):
+            frame = self._to_frame(rgb)
+            frame.pts = self._frames_written + i  # time base is 1/fps
+            for packet in self._stream.encode(frame):
+                self._container.mux(packet)
+
+    def _finish_temp(self) -> None:
+        for packet in self._stream.encode(None):  # drain the encoder's delayed frames
+            self._container.mux(packet)
+        container, self._container = self._container, None
+        container.close()
+
+    def _release(self) -> None:
+        if self._container is not None:
+            container, self._container = self._container, None
+            container.close()
+
+
+# FFmpeg's AVColorPrimaries / AVColorTransferCharacteristic / AVColorSpace / AVColorRange
+# values for BT.709 and limited ("tv", "mpeg") range; stable across FFmpeg versions.
+_AVCOL_BT709 = 1
+_AVCOL_RANGE_MPEG = 1
+
+
+class Mp4Sink(_AvSink):
+    """Encode frames to H.264 (libx264, yuv420p) in an MP4, via PyAV.
+
+    RGB is converted with BT.709 coefficients to limited-range YUV and the stream is
+    tagged BT.709, which is what players assume for HD video (untagged streams converted
+    with FFmpeg's BT.601 default look shifted in hue). ``crf`` (0-51, lower is better) and
+    ``preset`` are libx264's; ``threads=0`` lets x264 choose. yuv420p needs even width and
+    height, so an odd size raises :class:`SinkError` on the first write.
+
+    Example::
+
+        >>> with Mp4Sink("clip.mp4", fps=16, crf=18) as sink:
+        ...     sink.write(frames)                 # uint8 (t, H, W, 3), H and W even
+    """
+
+    _format = "mp4"
+    _codec = "libx264"
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        fps: float | Fraction = 16,
+        preset: str = "veryfast",
+        crf: float = 23,
+        threads: int = 0,
+    ) -> None:
+        if preset not in _X264_PRESETS:
+            raise SinkError(
+                f"unknown x264 preset {preset!r}; use one of {', '.join(_X264_PRESETS)}",
+                path=path,
+            )
+        if isinstance(crf, bool) or not isinstance(crf, (int, float)) or not 0 <= crf <= 51:
+            raise SinkError(
+                f"crf must be a number in 0..51 (lower is better), got {crf!r}", path=path
+            )
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+            raise SinkError(
+                f"threads must be an int >= 0 (0 = automatic), got {threads!r}", path=path
+            )
+        self._preset = preset
+        self._crf = crf
+        self._threads = threads
+        super().__init__(path, fps=fps)
+        from av.video.reformatter import ColorRange, Colorspace
+
+        self._yuv = {
+            "format": "yuv420p",
+            "dst_colorspace": Colorspace.ITU709,
+            "dst_color_range": ColorRange.MPEG,
+        }
+
+    def _check_size(self, height: int, width: int) -> None:
+        if height % 2 or width % 2:
+            raise SinkError(
+                f"frame size {height}x{width} (H x W) is odd, but H.264 in yuv420p needs even "
+                f"height and width: crop or pad the frames to {height + height % 2}x"
+                f"{width + width % 2}, or write .npy / .y4m / PNG, which take any size",
+                path=self._path,
+            )
+
+    def _configure(self, stream: Any) -> None:
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": str(self._crf), "preset": self._preset}
+        ctx = stream.codec_context
+        ctx.thread_count = self._threads
+        ctx.thread_type = "FRAME"  # x264 frame threads: best throughput, a few frames' latency
+        ctx.color_primaries = _AVCOL_BT709
+        ctx.color_trc = _AVCOL_BT709
+        ctx.colorspace = _AVCOL_BT709
+        ctx.color_range = _AVCOL_RANGE_MPEG
+
+    def _to_frame(self, rgb: np.ndarray) -> Any:
+        # Convert here rather than letting the encoder do it: its implicit conversion uses
+        # BT.601, which would contradict the BT.709 tags.
+        return super()._to_frame(rgb).reformat(**self._yuv)
+
+
+class Y4mSink(_AvSink):
+    """Write raw YUV 4:4:4 frames to a YUV4MPEG2 (``.y4m``) file, via PyAV.
+
+    Y4M has no RGB mode, so frames are converted with FFmpeg's default (BT.601,
+    limited range); decoding back with FFmpeg/PyAV gives each channel within ~2 levels of
+    the input. Any frame size works. Useful as lossless-ish input to encoders and metrics
+    tools (x264, VMAF).
+
+    Example::
+
+        >>> with Y4mSink("clip.y4m", fps=16) as sink:
+        ...     sink.write(frames)                 # uint8 (t, H, W, 3)
+    """
+
+    _format = "yuv4mpegpipe"
+    _codec = "wrapped_avframe"
+
+    def __init__(self, path: str | os.PathLike[str], *, fps: float | Fraction = 16) -> None:
+        super().__init__(path, fps=fps)
+
+    def _configure(self, stream: Any) -> None:
+        stream.pix_fmt = "yuv444p"
+
+
+def sink_for_path(
+    path: str | os.PathLike[str],
+    *,
+    fps: float | Fraction = 16,
+    preset: str = "veryfast",
+    crf: float = 23,
+    threads: int = 0,
+) -> FrameSink:
+    """Choose a sink from the output path.
+
+    ``.mp4`` → :class:`Mp4Sink`, ``.npy`` → :class:`NpySink`, ``.y4m`` →
+    :class:`Y4mSink` (suffixes are case-insensitive); a path ending in ``/``, an existing
+    folder, or a path without suffix → :class:`PngSink`; ``os.devnull`` →
+    :class:`NullSink`. Anything else raises :class:`SinkError` listing what is supported.
+    ``preset``/``crf``/``threads`` only apply to mp4, ``fps`` to mp4 and y4m (it is
+    validated for every kind).
+
+    Example::
+
+        >>> type(sink_for_path("out/clip.mp4", fps=24)).__name__
+        'Mp4Sink'
+        >>> type(sink_for_path("out/frames/")).__name__
+        'PngSink'
+    """
+    raw = os.fspath(path)
+    _check_fps(fps, raw)
+    if raw == os.devnull:
+        return NullSink()
+    if raw.endswith(("/", os.sep)) or os.path.isdir(raw):
+        return PngSink(raw)
+    suffix = os.path.splitext(raw)[1].lower()
+    if suffix == "":
+        return PngSink(raw)
+    if suffix == ".mp4":
+        return Mp4Sink(raw, fps=fps, preset=preset, crf=crf, threads=threads)
+    if suffix == ".npy":
+        return NpySink(raw)
+    if suffix == ".y4m":
+        return Y4mSink(raw, fps=fps)
+    raise SinkError(f"unsupported output suffix {suffix!r}; supported: {_SUPPORTED}", path=raw)
