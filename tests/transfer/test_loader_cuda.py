@@ -119,7 +119,9 @@ def test_read_error_on_gpu_load_leaves_loader_usable(big_file, pool, monkeypatch
             raise ReadError("injected", path=backend.path)
         return real(backend, dest, offset)
 
-    with Loader(threads=4, ring_slots=2, ring_slot_bytes=64 << 10) as ld:
+    with Loader(
+        threads=4, block_bytes=64 << 10, chunk_bytes=1 << 20, ring_slots=2, ring_slot_bytes=64 << 10
+    ) as ld:
         monkeypatch.setattr(ReadBackend, "_pread", pread)
         with pytest.raises(ReadError):
             ld.load(big_file, device="cuda")

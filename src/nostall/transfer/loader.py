@@ -209,7 +209,9 @@ class Loader:
         """
         t0 = time.perf_counter()
         dev = resolve_device(device)
-        targets = dtype.values() if isinstance(dtype, Mapping) else [dtype] if dtype is not None else []
+        targets = (
+            dtype.values() if isinstance(dtype, Mapping) else [dtype] if dtype is not None else []
+        )
         for d in targets:
             if d not in _CASTABLE:
                 raise ValueError(f"dtype={d} is not a cast target; use one of {list(_CASTABLE)}")
