@@ -28,6 +28,9 @@ class Method:
     run: Callable[[str, torch.device], Any]
     needs: tuple[str, ...] = ()
     cuda_only: bool = False
+    # Keep the caching allocator's blocks between runs (a worker that swaps models of
+    # one size reuses device memory); by default each run starts from empty_cache().
+    keep_allocator: bool = False
 
 
 def missing_requirement(method: Method, device: torch.device) -> str | None:

@@ -224,14 +224,19 @@ class Loader:
         with self._lock:
             if self._reader is None:
                 raise ClosedError("the loader is closed; create a new Loader")
+
+            def views(base: torch.Tensor) -> dict[str, torch.Tensor]:
+                # Views need the buffer, not its bytes: the paths build them while the
+                # copies are still in flight.
+                return _views(base, ckpt, layout, entries, dtypes, on_device=dev.type == "cuda")
+
             if pool is not None:
-                run = self._load_pool(ckpt, layout, dev, pool)
+                run = self._load_pool(ckpt, layout, dev, pool, views)
             elif dev.type == "cuda":
-                run = self._load_ring(ckpt, layout, dev)
+                run = self._load_ring(ckpt, layout, dev, views)
             else:
-                run = self._load_host(ckpt, layout)
-            base, read_s, h2d_s, scenario, path, mode = run
-        tensors = _views(base, ckpt, layout, entries, dtypes, on_device=dev.type == "cuda")
+                run = self._load_host(ckpt, layout, views)
+            tensors, read_s, h2d_s, scenario, path, mode = run
         t_cast = time.perf_counter()
         if dtype is not None:
             tensors = _cast(tensors, dtype, dev)
@@ -256,7 +261,9 @@ class Loader:
 
     # ---- the three paths ---------------------------------------------------------
 
-    def _load_pool(self, ckpt: Checkpoint, layout: _Layout, dev: torch.device, pool: PinnedPool):
+    def _load_pool(
+        self, ckpt: Checkpoint, layout: _Layout, dev: torch.device, pool: PinnedPool, views
+    ):
         key = _identity(ckpt)
         block = pool.lookup(key)
         engine = self._engine(dev) if dev.type == "cuda" else None
@@ -271,11 +278,13 @@ class Loader:
                         for a, b in block.split(lo, lo + f.data_bytes):
                             d = layout.dev_base[i] + a - lo
                             block.event = engine.copy(flat[d : d + b - a], block.tensor[a:b])
+                    tensors = views(flat)
                     h2d_s = engine.finish()
-                base = flat if engine else block.lease_tensor()
+                else:
+                    tensors = views(block.lease_tensor())
             finally:
                 block.release()
-            return base, 0.0, h2d_s, "memory-cache hit", "pool", "-"
+            return tensors, 0.0, h2d_s, "memory-cache hit", "pool", "-"
         block = pool.allocate(layout.host_bytes, key=key)
         ok = False
         try:
@@ -298,18 +307,28 @@ class Loader:
                 ]
                 for i in range(len(ckpt.files))
             ]
+            early: list[dict[str, torch.Tensor]] = []
             read_s, h2d_s, mode = self._stream(
-                ckpt, layout, cuts, dest, host, engine, flat, None, block
+                ckpt,
+                layout,
+                cuts,
+                dest,
+                host,
+                engine,
+                flat,
+                None,
+                block,
+                on_submit=(lambda: early.append(views(flat))) if engine else None,
             )
-            base = flat if engine else block.lease_tensor()
+            tensors = early[0] if early else views(block.lease_tensor())
             ok = True
         finally:
             if not ok:
                 block.key = None  # half-read bytes must never be served as a cache hit
             block.release()
-        return base, read_s, h2d_s, "read", "pool", mode
+        return tensors, read_s, h2d_s, "read", "pool", mode
 
-    def _load_ring(self, ckpt: Checkpoint, layout: _Layout, dev: torch.device):
+    def _load_ring(self, ckpt: Checkpoint, layout: _Layout, dev: torch.device, views):
         ring = self._staging_ring()
         ring.reset()
         engine = self._engine(dev)
@@ -335,15 +354,25 @@ class Loader:
         def issued(i: int, a: int, event: Any) -> None:
             ring.issued(seqs[(i, a)], event)
 
+        early: list[dict[str, torch.Tensor]] = []
         try:
             read_s, h2d_s, mode = self._stream(
-                ckpt, layout, cuts, dest, host, engine, flat, issued, None
+                ckpt,
+                layout,
+                cuts,
+                dest,
+                host,
+                engine,
+                flat,
+                issued,
+                None,
+                on_submit=lambda: early.append(views(flat)),
             )
         finally:
             ring.drain()
-        return flat, read_s, h2d_s, "read", "ring", mode
+        return early[0], read_s, h2d_s, "read", "ring", mode
 
-    def _load_host(self, ckpt: Checkpoint, layout: _Layout):
+    def _load_host(self, ckpt: Checkpoint, layout: _Layout, views):
         arena = HostArena(layout.host_bytes, segment_bytes=round_up(layout.host_bytes, _ALIGN))
         view = arena.view(0, arena.nbytes)
 
@@ -353,14 +382,16 @@ class Loader:
 
         cuts = [_chunks(0, layout.host_span[i], self.chunk_bytes) for i in range(len(ckpt.files))]
         read_s, _, mode = self._stream(ckpt, layout, cuts, dest, None, None, None, None, None)
-        base = arena.tensor
+        tensors = views(arena.tensor)
         arena.close()  # nothing is registered; the tensors keep the mapping alive
-        return base, read_s, 0.0, "read", "host", mode
+        return tensors, read_s, 0.0, "read", "host", mode
 
     # ---- the shared read → copy loop ---------------------------------------------
 
-    def _stream(self, ckpt, layout, cuts, dest, host, engine, flat, issued, block):
-        """Read every chunk; as each lands, copy its tensor bytes to ``flat``."""
+    def _stream(self, ckpt, layout, cuts, dest, host, engine, flat, issued, block, on_submit=None):
+        """Read every chunk; as each lands, copy its tensor bytes to ``flat``.
+
+        ``on_submit`` runs on this thread once the reads are queued (while they run)."""
         files: list[ReadBackend] = []
         handle = None
         try:
@@ -378,6 +409,8 @@ class Loader:
                 engine.begin()
             t0 = time.perf_counter()
             handle = self._reader.submit(requests)
+            if on_submit is not None:
+                on_submit()
             for i, a, b in handle.completed():
                 event = None
                 if engine is not None:
