@@ -20,7 +20,8 @@ for step in "$@"; do
     diag) python3 scripts/diag_h2d.py 2>&1 | tee "$OUT/diag.txt" || rc=1 ;;
     bench-load-warm) python3 -m nostall.cli.main bench load --folder bench-out/flux --scenario page-cache --scenario memory-cache --out "$OUT/load-warm.json" 2>&1 | tee "$OUT/bench-load-warm.txt" || rc=1 ;;
     bench-load) python3 -m nostall.cli.main bench load --folder bench-out/flux --out "$OUT/load.json" 2>&1 | tee "$OUT/bench-load.txt" || rc=1 ;;
-    bench-decode) python3 -m nostall.cli.main bench decode --out "$OUT/decode.json" 2>&1 | tee "$OUT/bench-decode.txt" || rc=1 ;;
+    bench-decode-smoke) python3 -m nostall.cli.main bench decode --dtype bf16 --repeat 2 --no-memory --work bench-out/decode --out "$OUT/decode-smoke.json" --figure "$OUT/decode-timeline-{dtype}.png" 2>&1 | tee "$OUT/bench-decode-smoke.txt" || rc=1 ;;
+    bench-decode) python3 -m nostall.cli.main bench decode --work bench-out/decode --out "$OUT/decode.json" --figure "$OUT/decode-timeline-{dtype}.png" 2>&1 | tee "$OUT/bench-decode.txt" || rc=1 ;;
     *) echo "unknown step $step"; rc=1 ;;
   esac
 done

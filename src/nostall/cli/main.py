@@ -203,6 +203,129 @@ def bench_load(
     console.print(f"report written to {out}")
 
 
+@app.command()
+def decode(
+    latents: str = typer.Argument(..., help="Latents (1, C, T, h, w): .safetensors, .pt or .npy."),
+    vae: str = typer.Option(
+        ..., "--vae", help="AutoencoderKLWan component folder (config.json + weights)."
+    ),
+    out: str = typer.Option(
+        ..., "-o", "--out", help="Output: .mp4, .npy, .y4m, or a folder for PNGs."
+    ),
+    sync: bool = typer.Option(
+        False, "--sync", help="The one-thread baseline instead of the async pipeline."
+    ),
+    device: str = typer.Option(None, help="cpu or cuda[:N] (default: cuda when available)."),
+    dtype: str = typer.Option(
+        None, help="VAE and latents dtype: bf16, fp16, fp32 (default: the weights')."
+    ),
+    fps: float = typer.Option(16, help="Frame rate of the video."),
+    preset: str = typer.Option("veryfast", help="libx264 preset for .mp4."),
+    crf: int = typer.Option(23, help="libx264 quality for .mp4 (0 = lossless)."),
+    denormalize: bool = typer.Option(
+        False, "--denormalize", help="Apply z*std+mean (latents straight from the denoiser)."
+    ),
+) -> None:
+    """Decode Wan latents to a video file, chunk by chunk, with a progress bar."""
+    import torch
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from nostall.api import load_model
+    from nostall.video import decode_to_file, frame_count
+    from nostall.video import denormalize as denorm
+    from nostall.video.latents import load_latents
+
+    device = device or _default_device()
+    dt = _dtype(dtype)
+    z = load_latents(latents)
+    model = load_model(vae, device=device, dtype=dt)
+    z = z.to(device=device, dtype=dt or next(model.parameters()).dtype)
+    if denormalize:
+        z = denorm(model, z)
+    total = frame_count(int(z.shape[2])) if z.dim() == 5 else 0
+    with Progress(
+        TextColumn("decoding"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} frames"),
+        TimeRemainingColumn(),
+        console=console,
+    ) as bar:
+        task = bar.add_task("decode", total=total)
+        with torch.inference_mode():
+            result = decode_to_file(
+                model,
+                z,
+                out,
+                fps=fps,
+                sync=sync,
+                preset=preset,
+                crf=crf,
+                progress=lambda n: bar.advance(task, n),
+            )
+    s = result.stats
+    console.print(
+        f"{result.frames} frames → {result.path} in {s.wall_s:.2f} s "
+        f"({result.frames / s.wall_s:.1f} frames/s, {s.mode}; writer busy {s.write_s:.2f} s, "
+        f"waited for the writer {s.backpressure_s:.2f} s)"
+    )
+
+
+@bench_app.command("decode")
+def bench_decode(
+    size: str = typer.Option("720p", help="720p (latents 16x41x90x160), 480p or tiny."),
+    dtype: list[str] = typer.Option(None, help="bf16 and/or fp32 (default: both)."),  # noqa: B008
+    latent_frames: int = typer.Option(41, help="Latent frames (41 → 161 video frames)."),
+    repeat: int = typer.Option(10, help="Timed decodes per mode, after one warm-up."),
+    device: str = typer.Option(None, help="cuda[:N] or cpu."),
+    preset: str = typer.Option("veryfast", help="libx264 preset."),
+    out: str = typer.Option("docs/bench/decode.json", help="JSON report path."),
+    figure: str = typer.Option("docs/bench/decode-timeline-{dtype}.png", help="Timeline picture."),
+    work: str = typer.Option(None, help="Folder for the MP4s and traces (default: a temp dir)."),
+    memory: bool = typer.Option(True, help="Also measure peak memory at 2x latent frames."),
+) -> None:
+    """Wan VAE decode: sync vs async vs decode-only, writing real MP4s; utilisation and memory."""
+    from nostall.bench.decode import run_decode_bench
+    from nostall.bench.load import write_report
+
+    device = device or _default_device()
+    report = run_decode_bench(
+        size=size,
+        dtypes=tuple(dtype) if dtype else ("bf16", "fp32"),
+        latent_frames=latent_frames,
+        repeat=repeat,
+        device=device,
+        preset=preset,
+        out_dir=work,
+        figure=figure,
+        memory=memory,
+        log=lambda s: console.print(s, highlight=False),
+    )
+    write_report(report, out)
+    table = Table(
+        title=f"decode bench: {report['config']['size']}, {report['config']['frames']} frames, "
+        f"{report['hardware'].get('gpu', device)}"
+    )
+    for col in ("dtype", "mode", "min s", "mean s", "p99 s", "frames/s", "RTF@24"):
+        table.add_column(col, justify="left" if col in ("dtype", "mode") else "right")
+    for name, res in report["results"].items():
+        for mode in ("decode-only", "sync", "async"):
+            r = res[mode]
+            table.add_row(
+                name,
+                mode,
+                f"{r['min']:.3f}",
+                f"{r['mean']:.3f}",
+                f"{r['p99']:.3f}",
+                f"{r['frames_per_s']:.1f}",
+                f"{r['rtf']:.3f}",
+            )
+    console.print(table)
+    for t in report["targets"]:
+        mark = {True: "[green]met[/green]", False: "[red]MISSED[/red]", None: "·"}[t["met"]]
+        console.print(f"{mark}  {t['target']}: {t['measured']}")
+    console.print(f"report written to {out}")
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

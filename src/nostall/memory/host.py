@@ -86,7 +86,10 @@ class HostArena:
             # transparent huge pages are off.
             with contextlib.suppress(OSError):
                 self._map.madvise(mmap.MADV_HUGEPAGE)
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        # Arenas outlive the caller's context: never an inference tensor, or the pinning
+        # thread (outside inference mode) could not write to it.
+        with torch.inference_mode(False):
+            self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         self.address = self.tensor.data_ptr()
         self._registered: list[bool] = [False] * self.num_segments
         self._touched: list[bool] = [False] * self.num_segments
@@ -133,14 +136,9 @@ class HostArena:
             raise ClosedError("host arena is closed")
         start, end = self.segment_range(i)
         if not self._touched[i]:
-            # torch's zero_ is parallel across intra-op threads: the first touch of a
-            # fresh mapping runs at memory speed instead of one page fault at a time.
-            self.tensor[start:end].zero_()
-            # Where the first touch fell back to 4 KiB pages (fragmented memory), ask the
-            # kernel to collapse the range into huge pages: pinned 4 KiB pages both pin
-            # slower and feed the GPU's copy engine slower.
-            _madvise(self.address + start, end - start, _MADV_COLLAPSE)
+            self._touch(start, end)
             self._touched[i] = True
+
         if register and not self._registered[i]:
             cudart = torch.cuda.cudart()
             rc = cudart.cudaHostRegister(self.address + start, end - start, _REGISTER_PORTABLE)
@@ -155,6 +153,16 @@ class HostArena:
                 return False
             self._registered[i] = True
         return self._registered[i]
+
+    def _touch(self, start: int, end: int) -> None:
+        # torch's zero_ is parallel across intra-op threads: the first touch of a
+        # fresh mapping runs at memory speed instead of one page fault at a time.
+        with torch.inference_mode(False):
+            self.tensor[start:end].zero_()
+        # Where the first touch fell back to 4 KiB pages (fragmented memory), ask the
+        # kernel to collapse the range into huge pages: pinned 4 KiB pages both pin
+        # slower and feed the GPU's copy engine slower.
+        _madvise(self.address + start, end - start, _MADV_COLLAPSE)
 
     def close(self) -> None:
         """Unregister every pinned segment. Idempotent.

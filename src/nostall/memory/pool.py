@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from nostall.errors import ClosedError, PoolExhausted
+from nostall.errors import ClosedError, DeviceError, PoolExhausted
 from nostall.memory.host import (
     HostArena,
     cuda_available,
@@ -276,7 +276,9 @@ class PinnedPool:
                 timeout,
             )
             if self._pin_error is not None:
-                raise RuntimeError("pinning the pool failed") from self._pin_error
+                raise DeviceError(
+                    f"pinning the pool failed: {type(self._pin_error).__name__}: {self._pin_error}"
+                ) from self._pin_error
             return ok and self._pinned_upto >= upto
 
     # ---- level 2: blocks ---------------------------------------------------------

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from nostall.errors import ClosedError, SinkError
 from nostall.memory.pool import Block, PinnedPool
@@ -97,7 +98,9 @@ class _Buffers:
     def device_view(self, i: int, nbytes: int, device: torch.device) -> torch.Tensor:
         buf = self.device[i]
         if buf is None or buf.numel() < nbytes:
-            buf = self.device[i] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            # Reused across runs, maybe outside the caller's inference mode.
+            with torch.inference_mode(False):
+                buf = self.device[i] = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return buf[:nbytes]
 
     def release(self) -> None:
@@ -202,16 +205,18 @@ class SyncFramePipeline(_PipelineBase):
         it = iter(chunks)
         try:
             while True:
+                with record_function(f"nostall.chunk.{stats.chunks}"):
+                    t = time.perf_counter()
+                    chunk = next(it, None)
+                    stats.producer_s += time.perf_counter() - t
+                    if chunk is None:
+                        break
+                    frames = self._frames(chunk)
+                    host = self._buffers.host_view(0, frames.numel()).view(frames.shape)
+                    host.copy_(frames)  # blocking: the GPU drains before the host goes on
                 t = time.perf_counter()
-                chunk = next(it, None)
-                stats.producer_s += time.perf_counter() - t
-                if chunk is None:
-                    break
-                frames = self._frames(chunk)
-                host = self._buffers.host_view(0, frames.numel()).view(frames.shape)
-                host.copy_(frames)  # blocking: the GPU drains before the host goes on
-                t = time.perf_counter()
-                sink.write(host.numpy())
+                with record_function("nostall.write"):
+                    sink.write(host.numpy())
                 t1 = time.perf_counter()
                 stats.write_s += t1 - t
                 stats.chunk_log.append((frames.shape[0], t - t0, t1 - t0))
@@ -289,13 +294,15 @@ class AsyncFramePipeline(_PipelineBase):
         n = 0
         try:
             while True:
-                t = time.perf_counter()
-                chunk = next(it, None)
-                stats.producer_s += time.perf_counter() - t
-                if chunk is None:
-                    break
-                self._raise_if_failed()
-                self._submit(n, self._frames(chunk), sink, stats)
+                # The profiler shows each chunk's GPU work under this name (bench decode).
+                with record_function(f"nostall.chunk.{n}"):
+                    t = time.perf_counter()
+                    chunk = next(it, None)
+                    stats.producer_s += time.perf_counter() - t
+                    if chunk is None:
+                        break
+                    self._raise_if_failed()
+                    self._submit(n, self._frames(chunk), sink, stats)
                 n += 1
                 if progress is not None:
                     progress(int(chunk.shape[2]) if chunk.dim() == 5 else int(chunk.shape[0]))
@@ -379,7 +386,8 @@ class AsyncFramePipeline(_PipelineBase):
                 if job.event is not None:
                     job.event.synchronize()  # chunk's bytes are in host buffer `slot`
                 t1 = time.perf_counter()
-                job.sink.write(job.host.numpy())
+                with record_function("nostall.write"):
+                    job.sink.write(job.host.numpy())
                 t2 = time.perf_counter()
                 if stats is not None:
                     t = job.host.shape[0]
@@ -412,7 +420,12 @@ def drain(
     """Consume the chunks and produce nothing: the decode-only reference time."""
     stats = FrameStats(mode="decode-only")
     t0 = time.perf_counter()
-    for chunk in chunks:
+    it = iter(chunks)
+    while True:
+        with record_function(f"nostall.chunk.{stats.chunks}"):
+            chunk = next(it, None)
+        if chunk is None:
+            break
         stats.chunks += 1
         stats.frames += int(chunk.shape[2]) if chunk.dim() == 5 else int(chunk.shape[0])
     dev = torch.device(device) if device is not None else None

@@ -1,0 +1,77 @@
+"""``decode_to_file``: Wan latents → a video file, with the GPU never waiting on the writer."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from nostall.memory.pool import PinnedPool
+from nostall.video.pipeline import AsyncFramePipeline, FrameStats, Progress, SyncFramePipeline
+from nostall.video.sinks import sink_for_path
+from nostall.video.wan import check_latents, decode_chunks, frame_count
+
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKLWan
+
+__all__ = ["DecodeResult", "decode_to_file"]
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    """Where the video went, how many frames, and the pipeline's timings."""
+
+    path: str
+    frames: int
+    fps: float
+    stats: FrameStats
+
+
+def decode_to_file(
+    vae: AutoencoderKLWan,
+    latents: torch.Tensor,
+    path: str | os.PathLike,
+    *,
+    fps: float = 16,
+    sync: bool = False,
+    preset: str = "veryfast",
+    crf: int = 23,
+    threads: int = 0,
+    pool: PinnedPool | None = None,
+    progress: Progress | None = None,
+    pipeline: Any = None,
+) -> DecodeResult:
+    """Decode Wan ``latents`` chunk by chunk and write the frames to ``path``.
+
+    ``latents`` are what ``vae.decode`` takes: ``(1, C, T, h, w)``, already
+    de-normalised (see :func:`nostall.video.wan.denormalize`). The sink follows the
+    suffix: ``.mp4`` (H.264 through PyAV, ``preset``/``crf``/``threads``), ``.npy``
+    (uint8 ``(frames, H, W, 3)``), ``.y4m``, or a folder for PNG frames. The file is
+    written under a temporary name and renamed when complete; on any error (bad
+    latents, a sink failure, an interrupt) nothing is left under either name.
+
+    ``sync=True`` runs the one-thread baseline (decode, blocking copy, write) instead
+    of the asynchronous pipeline. ``pipeline`` reuses an open pipeline (its streams,
+    buffers and thread) across calls.
+
+    >>> from nostall.video import decode_to_file
+    >>> decode_to_file(vae, z, "out.mp4", fps=16)  # doctest: +SKIP
+    DecodeResult(path='out.mp4', frames=81, ...)
+    """
+    check_latents(vae, latents)
+    total = frame_count(int(latents.shape[2]))
+    sink = sink_for_path(path, fps=fps, preset=preset, crf=crf, threads=threads)
+    own = pipeline is None
+    if own:
+        kind = SyncFramePipeline if sync else AsyncFramePipeline
+        pipeline = kind(device=latents.device, pool=pool)
+    try:
+        with sink:
+            stats = pipeline.run(decode_chunks(vae, latents), sink, progress=progress)
+    finally:
+        if own:
+            pipeline.close()
+    assert stats.frames == total, (stats.frames, total)
+    return DecodeResult(os.fspath(path), stats.frames, fps, stats)

@@ -1,0 +1,149 @@
+"""decode_to_file end to end on CPU with a tiny random Wan VAE, every sink, every fault."""
+
+from __future__ import annotations
+
+import os
+
+import av
+import numpy as np
+import pytest
+import torch
+
+from nostall.errors import LatentsError, SinkError
+from nostall.video import decode_to_file, frame_count, to_uint8_frames
+from nostall.video import pipeline as pipeline_mod
+
+
+@pytest.fixture(scope="module")
+def vae():
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    return AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1).eval()
+
+
+@pytest.fixture(scope="module")
+def latents():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(1, 16, 4, 6, 8, generator=g)  # 13 frames of 48 x 64
+
+
+@pytest.fixture(scope="module")
+def reference(vae, latents):
+    with torch.no_grad():
+        video = vae.decode(latents).sample  # (1, 3, 13, 48, 64)
+    return to_uint8_frames(video).numpy()  # uint8 (13, 48, 64, 3)
+
+
+def leftovers(folder) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if n.startswith("."))
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_npy_is_exactly_vae_decode(tmp_path, vae, latents, reference, sync):
+    out = tmp_path / "v.npy"
+    result = decode_to_file(vae, latents, out, sync=sync)
+    assert result.frames == frame_count(4) == 13
+    got = np.load(out)
+    assert got.dtype == np.uint8 and got.shape == (13, 48, 64, 3)
+    assert np.array_equal(got, reference)
+    assert leftovers(tmp_path) == []
+
+
+def test_mp4_has_every_frame_at_the_right_rate(tmp_path, vae, latents, reference):
+    out = tmp_path / "v.mp4"
+    decode_to_file(vae, latents, out, fps=16, preset="ultrafast", crf=0)
+    with av.open(str(out)) as c:
+        stream = c.streams.video[0]
+        assert stream.average_rate == 16
+        frames = [f.to_ndarray(format="rgb24") for f in c.decode(stream)]
+    assert len(frames) == 13
+    assert (frames[0].shape[0], frames[0].shape[1]) == (48, 64)
+    # lossy (yuv420p) but close, and in order: each frame is nearest to its own reference
+    for i, f in enumerate(frames):
+        errs = [np.abs(f.astype(int) - r.astype(int)).mean() for r in reference]
+        assert int(np.argmin(errs)) == i
+        assert errs[i] < 12
+
+
+def test_png_folder_and_y4m(tmp_path, vae, latents, reference):
+    from PIL import Image
+
+    folder = tmp_path / "frames"
+    decode_to_file(vae, latents, folder)
+    names = sorted(os.listdir(folder))
+    assert len(names) == 13
+    assert np.array_equal(np.asarray(Image.open(folder / names[5])), reference[5])
+    y4m = tmp_path / "v.y4m"
+    decode_to_file(vae, latents, y4m)
+    with av.open(str(y4m)) as c:
+        assert sum(1 for _ in c.decode(video=0)) == 13
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (torch.zeros(16, 4, 6, 8), "5-D"),
+        (torch.zeros(1, 12, 4, 6, 8), "channels"),
+        (torch.zeros(1, 16, 4, 6, 8, dtype=torch.int64), "floating"),
+        (torch.zeros(1, 16, 0, 6, 8), "T"),
+    ],
+)
+def test_bad_latents_are_refused_before_anything_is_written(tmp_path, vae, bad, match):
+    with pytest.raises(LatentsError, match=match):
+        decode_to_file(vae, bad, tmp_path / "v.mp4")
+    assert os.listdir(tmp_path) == []
+
+
+def test_missing_folder_is_refused_before_decoding(tmp_path, vae, latents, monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("decoded although the output folder is missing")
+
+    monkeypatch.setattr("nostall.video.decode.decode_chunks", boom)
+    with pytest.raises(SinkError, match="folder"):
+        decode_to_file(vae, latents, tmp_path / "missing" / "v.mp4")
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_sink_failure_leaves_nothing(tmp_path, vae, latents, monkeypatch, sync):
+    from nostall.video.sinks import NpySink
+
+    calls = [0]
+    real = NpySink._write
+
+    def disk_full(self, frames):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise OSError(28, "No space left on device")
+        return real(self, frames)
+
+    monkeypatch.setattr(NpySink, "_write", disk_full)
+    with pytest.raises(SinkError, match="No space left"):
+        decode_to_file(vae, latents, tmp_path / "v.npy", sync=sync)
+    assert os.listdir(tmp_path) == []
+
+
+def test_interrupted_decode_leaves_nothing(tmp_path, vae, latents, monkeypatch):
+    real = pipeline_mod.AsyncFramePipeline._frames
+    calls = [0]
+
+    def interrupt(self, chunk):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return real(self, chunk)
+
+    monkeypatch.setattr(pipeline_mod.AsyncFramePipeline, "_frames", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        decode_to_file(vae, latents, tmp_path / "v.mp4")
+    assert os.listdir(tmp_path) == []
+
+
+def test_existing_output_is_replaced_only_on_success(tmp_path, vae, latents, monkeypatch):
+    out = tmp_path / "v.npy"
+    out.write_bytes(b"old")
+    with pytest.raises(LatentsError):
+        decode_to_file(vae, latents[:, :3], out)
+    assert out.read_bytes() == b"old"
+    decode_to_file(vae, latents, out)
+    assert np.load(out).shape[0] == 13

@@ -1,0 +1,181 @@
+"""The frame pipelines on CPU: overlap, back-pressure, order, error propagation."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from nostall.errors import ClosedError, SinkError
+from nostall.video import AsyncFramePipeline, NullSink, SyncFramePipeline, drain
+from nostall.video.sinks import FrameSink
+
+H, W = 16, 24
+
+
+def identity(chunk: torch.Tensor) -> torch.Tensor:
+    return chunk
+
+
+def producer(n: int, *, delay: float = 0.0, log: list | None = None, closed: list | None = None):
+    """Chunks of uint8 (t, H, W, 3) frames whose value is the frame index."""
+    frame = 0
+    try:
+        for i in range(n):
+            t = 1 if i == 0 else 4
+            if delay:
+                time.sleep(delay)
+            chunk = torch.empty(t, H, W, 3, dtype=torch.uint8)
+            for k in range(t):
+                chunk[k] = frame + k
+            frame += t
+            if log is not None:
+                log.append(("made", i, time.perf_counter()))
+            yield chunk
+    finally:
+        if closed is not None:
+            closed.append(True)
+
+
+class RecordingSink(FrameSink):
+    """Keeps a copy of every frame; optionally slow, optionally failing on the n-th write."""
+
+    _requires_frames = False
+
+    def __init__(self, *, delay: float = 0.0, fail_at: int | None = None, log: list | None = None):
+        super().__init__()
+        self.delay, self.fail_at, self.log = delay, fail_at, log
+        self.frames: list[np.ndarray] = []
+        self.writes = 0
+
+    def _start(self, height: int, width: int) -> None:
+        pass
+
+    def _write(self, frames: np.ndarray) -> None:
+        self.writes += 1
+        if self.fail_at is not None and self.writes == self.fail_at:
+            raise OSError(28, "No space left on device")
+        if self.delay:
+            time.sleep(self.delay)
+        self.frames.extend(f.copy() for f in frames)
+        if self.log is not None:
+            self.log.append(("written", self.writes - 1, time.perf_counter()))
+
+    def _finish(self) -> None:
+        pass
+
+    def _discard(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("kind", [SyncFramePipeline, AsyncFramePipeline])
+def test_frames_arrive_complete_and_in_order(kind):
+    sink = RecordingSink()
+    with kind(device="cpu", convert=identity) as pipe:
+        stats = pipe.run(producer(7), sink)
+    assert stats.frames == 1 + 4 * 6 == len(sink.frames)
+    assert [int(f[0, 0, 0]) for f in sink.frames] == list(range(25))
+    assert stats.chunks == 7 and stats.bytes == 25 * H * W * 3
+
+
+def test_async_overlaps_a_slow_sink_with_production():
+    n, d = 8, 0.06
+    with SyncFramePipeline(device="cpu", convert=identity) as pipe:
+        t = time.perf_counter()
+        pipe.run(producer(n, delay=d), RecordingSink(delay=d))
+        sync_s = time.perf_counter() - t
+    with AsyncFramePipeline(device="cpu", convert=identity) as pipe:
+        t = time.perf_counter()
+        pipe.run(producer(n, delay=d), RecordingSink(delay=d))
+        async_s = time.perf_counter() - t
+    # sync ≈ n·(produce + write) = 0.96 s; async ≈ max + one stage ≈ 0.54 s
+    assert sync_s >= 2 * n * d * 0.95
+    assert async_s < 0.75 * sync_s, (async_s, sync_s)
+
+
+def test_backpressure_bounds_chunks_in_flight():
+    log: list = []
+    with AsyncFramePipeline(device="cpu", convert=identity) as pipe:
+        pipe.run(producer(12, log=log), RecordingSink(delay=0.03, log=log))
+    made = written = worst = 0
+    for kind, _, _ in sorted(log, key=lambda e: e[2]):
+        if kind == "made":
+            made += 1
+        else:
+            written += 1
+        worst = max(worst, made - written)
+    # two buffers + the chunk the producer holds while waiting for one
+    assert worst <= 3, worst
+
+
+def test_sink_error_reaches_the_caller_promptly_and_stops_production():
+    closed: list = []
+    log: list = []
+    sink = RecordingSink(fail_at=3)
+    with AsyncFramePipeline(device="cpu", convert=identity) as pipe:
+        t = time.perf_counter()
+        with pytest.raises(SinkError, match="No space left") as info:
+            pipe.run(producer(50, delay=0.01, log=log, closed=closed), sink)
+        assert time.perf_counter() - t < 2.0
+        assert isinstance(info.value.__cause__, OSError)
+        assert closed == [True]  # the chunk generator was closed: no more GPU work launched
+        assert len([e for e in log if e[0] == "made"]) <= 3 + 3
+        # the pipeline is reusable after a failed run
+        ok = RecordingSink()
+        pipe.run(producer(3), ok)
+        assert len(ok.frames) == 9
+
+
+def test_producer_error_and_interrupt_stop_the_worker():
+    def bad():
+        yield torch.zeros(1, H, W, 3, dtype=torch.uint8)
+        raise KeyboardInterrupt
+
+    with AsyncFramePipeline(device="cpu", convert=identity) as pipe:
+        with pytest.raises(KeyboardInterrupt):
+            pipe.run(bad(), RecordingSink(delay=0.05))
+        assert pipe._worker.is_alive()
+        assert all(e.is_set() for e in pipe._host_free)  # no buffer left lent out
+
+
+def test_convert_must_return_uint8_frames():
+    with AsyncFramePipeline(device="cpu") as pipe, pytest.raises(ValueError, match="uint8"):
+        pipe.run(iter([torch.zeros(1, 3, 1, 4, 4, dtype=torch.uint8)]), NullSink())
+
+
+def test_default_convert_maps_decoder_output():
+    chunk = torch.linspace(-1, 1, 3 * 2 * 4 * 4).reshape(1, 3, 2, 4, 4)
+    sink = RecordingSink()
+    with AsyncFramePipeline(device="cpu") as pipe:
+        pipe.run(iter([chunk]), sink)
+    got = np.stack(sink.frames)
+    assert got.shape == (2, 4, 4, 3) and got.dtype == np.uint8
+    assert got.min() == 0 and got.max() == 255
+
+
+def test_closed_pipeline():
+    pipe = AsyncFramePipeline(device="cpu", convert=identity)
+    pipe.close()
+    pipe.close()
+    assert not pipe._worker.is_alive()
+    with pytest.raises(ClosedError):
+        pipe.run(producer(1), NullSink())
+
+
+def test_drain_counts_frames():
+    assert drain(producer(5)).frames == 17
+
+
+def test_worker_thread_is_the_one_writing():
+    seen = set()
+
+    class ThreadSink(RecordingSink):
+        def _write(self, frames):
+            seen.add(threading.current_thread().name)
+
+    with AsyncFramePipeline(device="cpu", convert=identity) as pipe:
+        pipe.run(producer(3), ThreadSink())
+    assert seen == {"nostall-frame-writer"}
