@@ -101,3 +101,30 @@ def run_demo(
                 )
                 del result
         return rows, size
+
+
+def run_video_demo(*, device: str, path: str) -> tuple[str, object]:
+    """Decode random latents with a random-weight Wan VAE into ``path`` (async pipeline).
+
+    On a GPU this is the real Wan 2.1 VAE architecture (diffusers ``AutoencoderKLWan()``
+    defaults) at 832x480, 17 frames; on a CPU a narrow copy of it at 128x96.
+    Returns a description of the VAE and the :class:`~nostall.video.DecodeResult`.
+    """
+    from diffusers import AutoencoderKLWan
+
+    from nostall.video import decode_to_file
+
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    if dev.type == "cuda":
+        with torch.device(dev):
+            vae = AutoencoderKLWan().to(torch.bfloat16).eval()
+        shape, what = (1, 16, 5, 60, 104), "Wan 2.1 VAE (default config, random weights, bf16)"
+    else:
+        vae = AutoencoderKLWan(base_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1).eval()
+        shape, what = (1, 16, 5, 12, 16), "tiny Wan VAE (random weights, fp32, CPU)"
+    g = torch.Generator(device=dev).manual_seed(1)
+    z = torch.randn(shape, generator=g, device=dev).to(next(vae.parameters()).dtype)
+    with torch.inference_mode():
+        result = decode_to_file(vae, z, path, fps=16)
+    return what, result

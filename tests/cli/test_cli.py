@@ -12,11 +12,16 @@ from nostall.cli.main import app
 runner = CliRunner()
 
 
-def test_demo_runs_and_checks_equality():
-    result = runner.invoke(app, ["demo", "--device", "cpu", "--size-mb", "8"])
+def test_demo_runs_and_checks_equality(tmp_path):
+    import av
+
+    video = tmp_path / "demo.mp4"
+    result = runner.invoke(app, ["demo", "--device", "cpu", "--size-mb", "8", "--video", str(video)])
     assert result.exit_code == 0, result.output
     assert "memory-cache hit" in result.output
     assert "All tensors equal" in result.output
+    with av.open(str(video)) as c:
+        assert sum(1 for _ in c.decode(video=0)) == 17
 
 
 def test_load_prints_phases(ckpt_file):

@@ -58,8 +58,11 @@ def _phase_table(title: str, rows: list[tuple]) -> Table:
 def demo(
     device: str = typer.Option(None, help="cpu or cuda[:N] (default: cuda when available)."),
     size_mb: int = typer.Option(256, help="Size of the demo checkpoint in MB."),
+    video: str = typer.Option(
+        "nostall-demo.mp4", help="Where the demo video goes ('' to skip the video part)."
+    ),
 ) -> None:
-    """Write a multi-dtype checkpoint, load it with safetensors and nostall, compare."""
+    """Load a multi-dtype checkpoint with safetensors and nostall and compare; decode a video."""
     from nostall.demo import run_demo
 
     device = device or _default_device()
@@ -83,10 +86,22 @@ def demo(
             )
         )
     console.print(_phase_table(f"{size / 1e6:.0f} MB checkpoint → {device}", out))
+    if device == "cpu":
+        console.print("(on a CPU, safetensors maps the file lazily: its bytes are read on first use)")
     if not all(r.equal for r in rows):
         console.print("[red]nostall's tensors differ from safetensors'[/red]")
         raise typer.Exit(1)
     console.print("All tensors equal to safetensors.load_file, bit for bit.")
+    if video:
+        from nostall.demo import run_video_demo
+
+        what, result = run_video_demo(device=device, path=video)
+        s = result.stats
+        console.print(
+            f"Video: {what} → {result.path}: {result.frames} frames in {s.wall_s:.2f} s "
+            f"({result.frames / s.wall_s:.1f} frames/s; the writer thread was busy {s.write_s:.2f} s "
+            f"beside the decode)"
+        )
 
 
 @app.command()
