@@ -131,10 +131,10 @@ class _PipelineBase:
     def __init__(
         self,
         *,
-        device: str | torch.device | None,
-        pool: PinnedPool | None,
-        host_bytes: int,
-        convert: Convert,
+        device: str | torch.device | None = None,
+        pool: PinnedPool | None = None,
+        host_bytes: int = _DEFAULT_HOST_BYTES,
+        convert: Convert = to_uint8_frames,
     ):
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -179,21 +179,12 @@ class _PipelineBase:
 
 class SyncFramePipeline(_PipelineBase):
     """The baseline: convert chunk N, copy it to the host (blocking), write it, then ask
-    for chunk N+1. The GPU idles during every copy and write.
+    for chunk N+1. The GPU idles during every copy and write. Options as for
+    :class:`AsyncFramePipeline` (one host buffer is used).
 
     >>> with SyncFramePipeline(device="cpu") as pipe:  # doctest: +SKIP
     ...     stats = pipe.run(decode_chunks(vae, z), sink)
     """
-
-    def __init__(
-        self,
-        *,
-        device: str | torch.device | None = None,
-        pool: PinnedPool | None = None,
-        host_bytes: int = _DEFAULT_HOST_BYTES,
-        convert: Convert = to_uint8_frames,
-    ):
-        super().__init__(device=device, pool=pool, host_bytes=host_bytes, convert=convert)
 
     def run(
         self, chunks: Iterable[torch.Tensor], sink: FrameSink, *, progress: Progress | None = None
