@@ -16,7 +16,9 @@ def test_demo_runs_and_checks_equality(tmp_path):
     import av
 
     video = tmp_path / "demo.mp4"
-    result = runner.invoke(app, ["demo", "--device", "cpu", "--size-mb", "8", "--video", str(video)])
+    result = runner.invoke(
+        app, ["demo", "--device", "cpu", "--size-mb", "8", "--video", str(video)]
+    )
     assert result.exit_code == 0, result.output
     assert "memory-cache hit" in result.output
     assert "All tensors equal" in result.output

@@ -87,7 +87,9 @@ def demo(
         )
     console.print(_phase_table(f"{size / 1e6:.0f} MB checkpoint → {device}", out))
     if device == "cpu":
-        console.print("(on a CPU, safetensors maps the file lazily: its bytes are read on first use)")
+        console.print(
+            "(on a CPU, safetensors maps the file lazily: its bytes are read on first use)"
+        )
     if not all(r.equal for r in rows):
         console.print("[red]nostall's tensors differ from safetensors'[/red]")
         raise typer.Exit(1)
