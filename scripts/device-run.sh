@@ -17,6 +17,7 @@ for step in "$@"; do
     alltests) python3 -m pytest -q -x tests 2>&1 | tail -n 40 | tee "$OUT/all-tests.txt" || rc=1 ;;
     gen) python3 -c "from nostall.bench.checkpoints import make_checkpoint; print(make_checkpoint('bench-out/flux', device='cuda'))" || rc=1 ;;
     tune) python3 scripts/tune_load.py bench-out/flux 2>&1 | tee "$OUT/tune.txt" || rc=1 ;;
+    diag-decode) python3 scripts/diag_decode.py 2>&1 | tee "$OUT/diag-decode.txt" || rc=1 ;;
     diag) python3 scripts/diag_h2d.py 2>&1 | tee "$OUT/diag.txt" || rc=1 ;;
     bench-load-warm) python3 -m nostall.cli.main bench load --folder bench-out/flux --scenario page-cache --scenario memory-cache --out "$OUT/load-warm.json" 2>&1 | tee "$OUT/bench-load-warm.txt" || rc=1 ;;
     bench-load) python3 -m nostall.cli.main bench load --folder bench-out/flux --out "$OUT/load.json" 2>&1 | tee "$OUT/bench-load.txt" || rc=1 ;;

@@ -96,6 +96,18 @@ def test_async_overlaps_a_slow_sink_with_production():
     assert async_s < 0.75 * sync_s, (async_s, sync_s)
 
 
+@pytest.mark.parametrize("kind", [SyncFramePipeline, AsyncFramePipeline])
+def test_stats_are_times_within_the_run(kind):
+    with kind(device="cpu", convert=identity) as pipe:
+        stats = pipe.run(producer(5, delay=0.01), RecordingSink(delay=0.02))
+    for name in ("producer_s", "backpressure_s", "write_s", "copy_wait_s"):
+        assert 0.0 <= getattr(stats, name) <= stats.wall_s, (name, stats)
+    assert stats.write_s >= 5 * 0.02 * 0.9
+    assert [f for f, _, _ in stats.chunk_log] == [1, 4, 4, 4, 4]
+    for _, a, b in stats.chunk_log:
+        assert 0.0 <= a <= b <= stats.wall_s
+
+
 def test_backpressure_bounds_chunks_in_flight():
     log: list = []
     with AsyncFramePipeline(device="cpu", convert=identity) as pipe:

@@ -381,12 +381,12 @@ class AsyncFramePipeline(_PipelineBase):
                     job.sink.write(job.host.numpy())
                 t2 = time.perf_counter()
                 if stats is not None:
-                    t = job.host.shape[0]
+                    frames = job.host.shape[0]
                     stats.copy_wait_s += t1 - t
                     stats.write_s += t2 - t1
-                    stats.chunk_log.append((t, t1 - self._t0, t2 - self._t0))
+                    stats.chunk_log.append((frames, t1 - self._t0, t2 - self._t0))
                     stats.chunks += 1
-                    stats.frames += t
+                    stats.frames += frames
                     stats.bytes += job.host.numel()
             except BaseException as e:
                 self._error = e
