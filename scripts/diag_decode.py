@@ -1,3 +1,4 @@
+# ruff: noqa: B023, F821, F841  (a one-off diagnostic: loop variables are rebound on purpose)
 """Where does the async decode lose time against decode-only? GPU machine only.
 
 Prints, for the Wan 2.1 VAE at 720p (41 latent frames): timings of decode-only, async

@@ -97,3 +97,28 @@ def test_bench_load_tiny_on_cpu_writes_json(tmp_path):
     # peers that cannot run here are reported, not dropped
     assert recs[("fastsafetensors (no GDS)", "page-cache")]["note"].startswith("skipped")
     assert report["commit"] and report["date"]
+
+
+@pytest.mark.timeout(300)
+def test_bench_decode_tiny_on_cpu_writes_json_and_table(tmp_path):
+    pytest.importorskip("av")
+    out = tmp_path / "decode.json"
+    args = ["bench", "decode", "--size", "tiny", "--dtype", "fp32", "--device", "cpu"]
+    args += ["--latent-frames", "2", "--repeat", "1", "--work", str(tmp_path / "w")]
+    result = runner.invoke(app, [*args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["config"]["frames"] == 5
+    assert set(report["results"]["fp32"]) >= {"decode-only", "sync", "async", "raw_npy"}
+    assert "async" in result.output and "1.02x decode-only" in result.output
+
+
+def test_bench_decode_memory_only_needs_cuda(tmp_path):
+    m = str(tmp_path / "m.json")
+    result = runner.invoke(
+        app,
+        ["bench", "decode", "--size", "tiny", "--device", "cpu", "--memory-only", "--out", m],
+    )
+    assert result.exit_code != 0
+    assert "CUDA" in str(result.exception) or "CUDA" in result.output
+    assert not (tmp_path / "m.json").exists()

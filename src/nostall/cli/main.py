@@ -299,6 +299,9 @@ def bench_decode(
     figure: str = typer.Option("docs/bench/decode-timeline-{dtype}.png", help="Timeline picture."),
     work: str = typer.Option(None, help="Folder for the MP4s and traces (default: a temp dir)."),
     memory: bool = typer.Option(True, help="Also measure peak memory at 2x latent frames."),
+    memory_only: bool = typer.Option(
+        False, "--memory-only", help="Measure only the peak GPU memory (no timed decodes)."
+    ),
 ) -> None:
     """Wan VAE decode: sync vs async vs decode-only, writing real MP4s; utilisation and memory."""
     from nostall.bench.decode import run_decode_bench
@@ -315,6 +318,7 @@ def bench_decode(
         out_dir=work,
         figure=figure,
         memory=memory,
+        memory_only=memory_only,
         log=lambda s: console.print(s, highlight=False),
     )
     write_report(report, out)
@@ -322,11 +326,15 @@ def bench_decode(
         title=f"decode bench: {report['config']['size']}, {report['config']['frames']} frames, "
         f"{report['hardware'].get('gpu', device)}"
     )
-    for col in ("dtype", "mode", "min s", "mean s", "p99 s", "frames/s", "RTF@24"):
+    cols = ("dtype", "mode", "min s", "mean s", "p99 s", "frames/s", "RTF@24", "close s", "util")
+    for col in cols:
         table.add_column(col, justify="left" if col in ("dtype", "mode") else "right")
     for name, res in report["results"].items():
         for mode in ("decode-only", "sync", "async"):
+            if mode not in res:
+                continue
             r = res[mode]
+            u = res.get("utilisation", {}).get(mode, {}).get("steady_two_chunks")
             table.add_row(
                 name,
                 mode,
@@ -335,6 +343,8 @@ def bench_decode(
                 f"{r['p99']:.3f}",
                 f"{r['frames_per_s']:.1f}",
                 f"{r['rtf']:.3f}",
+                f"{r['close_mean_s']:.3f}" if "close_mean_s" in r else "",
+                f"{u:.2%}" if u is not None else "",
             )
     console.print(table)
     for t in report["targets"]:

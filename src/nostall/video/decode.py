@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,12 +22,18 @@ __all__ = ["DecodeResult", "decode_to_file"]
 
 @dataclass(frozen=True)
 class DecodeResult:
-    """Where the video went, how many frames, and the pipeline's timings."""
+    """Where the video went, how many frames, and the pipeline's timings.
+
+    ``close_s`` is the time spent closing the sink after the last frame was handed to
+    it: for MP4, the encoder's delayed frames (x264 look-ahead), the container trailer
+    and the rename into place.
+    """
 
     path: str
     frames: int
     fps: float
     stats: FrameStats
+    close_s: float = 0.0
 
 
 def decode_to_file(
@@ -70,8 +77,11 @@ def decode_to_file(
     try:
         with sink:
             stats = pipeline.run(decode_chunks(vae, latents), sink, progress=progress)
+            t = time.perf_counter()
+            sink.close()
+            close_s = time.perf_counter() - t
     finally:
         if own:
             pipeline.close()
     assert stats.frames == total, (stats.frames, total)
-    return DecodeResult(os.fspath(path), stats.frames, fps, stats)
+    return DecodeResult(os.fspath(path), stats.frames, fps, stats, close_s)

@@ -1,0 +1,21 @@
+"""Join decode bench reports run in separate GPU-machine calls into one JSON.
+
+python scripts/merge_decode_reports.py OUT.json PART.json [PART.json ...]
+"""
+
+import json
+import sys
+
+from nostall.bench.decode import merge_reports
+from nostall.bench.load import write_report
+
+if len(sys.argv) < 3:
+    sys.exit(__doc__)
+parts = []
+for path in sys.argv[2:]:
+    with open(path) as f:
+        parts.append(json.load(f))
+merged = merge_reports(parts)
+write_report(merged, sys.argv[1])
+for t in merged["targets"]:
+    print({True: "met   ", False: "MISSED", None: "      "}[t["met"]], t["target"], t["measured"])
