@@ -36,6 +36,9 @@ def test_tiny_bench_times_every_mode_on_cpu(tiny_report):
         assert 0 < res[mode]["close_mean_s"] < res[mode]["mean"]
     assert res["mp4_bytes"] > 0 and set(res["raw_npy"]) == {"sync", "async"}
     assert "utilisation" not in res and "peak_memory_gib" not in res  # CUDA only
+    b2b = res["back_to_back"]
+    assert b2b["videos"] == 3 and len(b2b["close_s"]) == 3
+    assert b2b["submit_s"] > 0 and b2b["decode_only_s"] > 0 and b2b["one_at_a_time_s"] > 0
     names = [t["target"] for t in tiny_report["targets"]]
     assert any("1.02x decode-only" in n for n in names)
     json.dumps(tiny_report)  # JSON-able
@@ -67,7 +70,7 @@ def test_merge_joins_precisions_and_memory_parts():
     merged = merge_reports([bf16, fp32, mem])
     assert set(merged["results"]) == {"bf16", "fp32"}
     assert merged["results"]["fp32"]["peak_memory_gib"] == {"41": 10.0, "81": 10.2}
-    assert [p["commit"] for p in merged["parts"]] == ["abc", "def", "abc"]
+    assert [p["commit"] for p in merged["runs"]] == ["abc", "def", "abc"]
     by_name = {t["target"]: t for t in merged["targets"]}
     assert by_name["bf16: async end-to-end <= 1.02x decode-only"]["met"] is True  # 1.0125
     assert by_name["fp32: async end-to-end <= 1.02x decode-only"]["met"] is False  # 1.038

@@ -147,3 +147,48 @@ def test_existing_output_is_replaced_only_on_success(tmp_path, vae, latents, mon
     assert out.read_bytes() == b"old"
     decode_to_file(vae, latents, out)
     assert np.load(out).shape[0] == 13
+
+
+# ---- submit_decode: back to back, the file finished on the writer thread --------------
+
+
+def test_back_to_back_videos_are_exact_and_complete(tmp_path, vae, latents, reference):
+    from nostall.video import AsyncFramePipeline, submit_decode
+
+    with AsyncFramePipeline(device="cpu") as pipe:
+        futures = [
+            submit_decode(vae, latents, tmp_path / f"v{i}.npy", pipeline=pipe) for i in range(3)
+        ]
+        results = [f.result(timeout=60) for f in futures]
+    for i, r in enumerate(results):
+        assert r.path == str(tmp_path / f"v{i}.npy") and r.frames == 13 and r.close_s >= 0
+        assert np.array_equal(np.load(r.path), reference)
+    assert leftovers(tmp_path) == []
+
+
+def test_submit_decode_refuses_bad_input_before_anything_runs(tmp_path, vae, latents):
+    from nostall.video import AsyncFramePipeline, SyncFramePipeline, submit_decode
+
+    with AsyncFramePipeline(device="cpu") as pipe:
+        with pytest.raises(LatentsError, match="channels"):
+            submit_decode(vae, torch.zeros(1, 12, 4, 6, 8), tmp_path / "v.mp4", pipeline=pipe)
+        with pytest.raises(SinkError, match="folder"):
+            submit_decode(vae, latents, tmp_path / "missing" / "v.mp4", pipeline=pipe)
+    with SyncFramePipeline(device="cpu") as sync, pytest.raises(TypeError, match="Async"):
+        submit_decode(vae, latents, tmp_path / "v.mp4", pipeline=sync)
+    assert os.listdir(tmp_path) == []
+
+
+def test_submit_decode_failure_after_return_leaves_nothing(tmp_path, vae, latents, monkeypatch):
+    from nostall.video import AsyncFramePipeline, submit_decode
+    from nostall.video.sinks import NpySink
+
+    def disk_full_on_close(self):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(NpySink, "_finish_temp", disk_full_on_close)
+    with AsyncFramePipeline(device="cpu") as pipe:
+        future = submit_decode(vae, latents, tmp_path / "v.npy", pipeline=pipe)
+        with pytest.raises(SinkError, match="No space left"):
+            future.result(timeout=60)
+    assert os.listdir(tmp_path) == []

@@ -45,11 +45,22 @@ class RecordingSink(FrameSink):
 
     _requires_frames = False
 
-    def __init__(self, *, delay: float = 0.0, fail_at: int | None = None, log: list | None = None):
+    def __init__(
+        self,
+        *,
+        delay: float = 0.0,
+        fail_at: int | None = None,
+        log: list | None = None,
+        close_delay: float = 0.0,
+        fail_close: bool = False,
+    ):
         super().__init__()
         self.delay, self.fail_at, self.log = delay, fail_at, log
+        self.close_delay, self.fail_close = close_delay, fail_close
         self.frames: list[np.ndarray] = []
         self.writes = 0
+        self.finished = self.discarded = False
+        self.closed_by: str | None = None
 
     def _start(self, height: int, width: int) -> None:
         pass
@@ -65,10 +76,17 @@ class RecordingSink(FrameSink):
             self.log.append(("written", self.writes - 1, time.perf_counter()))
 
     def _finish(self) -> None:
-        pass
+        self.closed_by = threading.current_thread().name
+        if self.close_delay:
+            time.sleep(self.close_delay)
+        if self.fail_close:
+            raise OSError(5, "Input/output error")
+        self.finished = True
+        if self.log is not None:
+            self.log.append(("closed", 0, time.perf_counter()))
 
     def _discard(self) -> None:
-        pass
+        self.discarded = True
 
 
 @pytest.mark.parametrize("kind", [SyncFramePipeline, AsyncFramePipeline])
@@ -191,3 +209,75 @@ def test_worker_thread_is_the_one_writing():
     with AsyncFramePipeline(device="cpu", convert=identity) as pipe:
         pipe.run(producer(3), ThreadSink())
     assert seen == {"nostall-frame-writer"}
+
+
+# ---- submit: the worker finishes and closes the sink --------------------------------
+
+
+def test_submit_returns_before_the_sink_is_closed_and_resolves_to_stats():
+    sink = RecordingSink(close_delay=0.3)
+    with AsyncFramePipeline(device="cpu", convert=identity) as pipe:
+        t = time.perf_counter()
+        future = pipe.submit(producer(4), sink)
+        assert time.perf_counter() - t < 0.25  # did not wait for the close
+        stats = future.result(timeout=5)
+    assert sink.finished and sink.closed_by == "nostall-frame-writer"
+    assert sink.closed and not sink.discarded
+    assert stats.frames == 13 == len(sink.frames)
+    assert [int(f[0, 0, 0]) for f in sink.frames] == list(range(13))
+    assert 0.3 <= stats.close_s <= stats.wall_s
+
+
+def test_next_video_is_produced_while_the_previous_one_closes():
+    log: list = []
+    with AsyncFramePipeline(device="cpu", convert=identity) as pipe:
+        first = pipe.submit(producer(2), RecordingSink(close_delay=0.4, log=log))
+        second_log: list = []
+        second = pipe.submit(producer(3, delay=0.02, log=second_log), RecordingSink())
+        first.result(timeout=5)
+        second.result(timeout=5)
+    closed_at = next(t for kind, _, t in log if kind == "closed")
+    made = [t for kind, _, t in second_log if kind == "made"]
+    assert len(made) == 3 and max(made) < closed_at  # chunks came while video 1 closed
+
+
+def test_write_failure_after_submit_reaches_the_future_and_removes_the_output():
+    sink = RecordingSink(fail_at=2)
+    with AsyncFramePipeline(device="cpu", convert=identity) as pipe:
+        future = pipe.submit(producer(2), sink)  # the second (last) chunk fails, later
+        with pytest.raises(SinkError, match="No space left"):
+            future.result(timeout=5)
+        assert isinstance(future.exception().__cause__, OSError)
+        assert sink.discarded and not sink.finished
+        ok = RecordingSink()
+        assert pipe.submit(producer(2), ok).result(timeout=5).frames == 5  # still usable
+        assert all(e.is_set() for e in pipe._host_free)
+
+
+def test_close_failure_reaches_the_future():
+    sink = RecordingSink(fail_close=True)
+    with AsyncFramePipeline(device="cpu", convert=identity) as pipe:
+        future = pipe.submit(producer(2), sink)
+        with pytest.raises(SinkError, match="Input/output error"):
+            future.result(timeout=5)
+    assert sink.discarded and not sink.finished
+
+
+def test_failure_while_launching_is_raised_by_submit_and_aborts_the_sink():
+    def bad():
+        yield torch.zeros(1, H, W, 3, dtype=torch.uint8)
+        raise RuntimeError("CUDA error: out of memory")
+
+    sink = RecordingSink()
+    with AsyncFramePipeline(device="cpu", convert=identity) as pipe:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            pipe.submit(bad(), sink)
+        assert sink.discarded and all(e.is_set() for e in pipe._host_free)
+
+
+def test_close_waits_for_submitted_videos():
+    sink = RecordingSink(delay=0.05, close_delay=0.1)
+    pipe = AsyncFramePipeline(device="cpu", convert=identity)
+    future = pipe.submit(producer(3), sink)
+    pipe.close()
+    assert future.done() and future.result().frames == 9 and sink.finished

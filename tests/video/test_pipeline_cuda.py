@@ -91,3 +91,44 @@ def test_sync_pipeline_on_gpu():
     with SyncFramePipeline(device="cuda", convert=lambda c: c) as pipe:
         pipe.run(slow_gpu_chunks(5, spin_cycles=1000), sink)
     assert sink.values == [0] + [i for i in range(1, 5) for _ in range(4)]
+
+
+def test_back_to_back_submits_share_buffers_without_mixing_videos():
+    """Video 2's kernels start while video 1's last copies and close are pending: its
+    chunks reuse the same device/host buffers, which must not bleed between videos."""
+
+    class SlowClose(Keep):
+        def _finish(self):
+            time.sleep(0.2)
+
+    def video(offset: int, n: int):
+        for chunk in slow_gpu_chunks(n):
+            yield chunk + offset  # distinct values per video
+
+    sinks = [SlowClose(delay=0.005), Keep(delay=0.005)]
+    with AsyncFramePipeline(device="cuda", convert=lambda c: c) as pipe:
+        futures = [pipe.submit(video(100 * k, 12), s) for k, s in enumerate(sinks)]
+        stats = [f.result(timeout=60) for f in futures]
+    for k, sink in enumerate(sinks):
+        assert sink.values == [100 * k] + [100 * k + i for i in range(1, 12) for _ in range(4)]
+        assert sink.uniform
+    assert stats[0].close_s >= 0.2 and stats[1].frames == 45
+
+
+def test_submit_decode_on_gpu_equals_decode_to_file(tmp_path):
+    from diffusers import AutoencoderKLWan
+
+    from nostall.video import submit_decode
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(base_dim=32, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1)
+    vae = vae.to("cuda").eval()
+    zs = [torch.randn(1, 16, 5, 16, 24, device="cuda") for _ in range(3)]
+    with AsyncFramePipeline(device="cuda") as pipe:
+        futures = [
+            submit_decode(vae, z, tmp_path / f"b{i}.npy", pipeline=pipe) for i, z in enumerate(zs)
+        ]
+        [f.result(timeout=120) for f in futures]
+    for i, z in enumerate(zs):
+        decode_to_file(vae, z, tmp_path / f"r{i}.npy", sync=True)
+        assert np.array_equal(np.load(tmp_path / f"b{i}.npy"), np.load(tmp_path / f"r{i}.npy"))

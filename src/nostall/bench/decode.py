@@ -34,6 +34,7 @@ from nostall.video import (
     decode_to_file,
     drain,
     frame_count,
+    submit_decode,
 )
 
 __all__ = ["evaluate_targets", "merge_reports", "run_decode_bench"]
@@ -69,6 +70,9 @@ def _summary(times: list[float], frames: int) -> dict:
     }
 
 
+PARTS = ("timed", "memory", "back-to-back")
+
+
 def run_decode_bench(
     *,
     size: str = "720p",
@@ -81,17 +85,22 @@ def run_decode_bench(
     out_dir: str | None = None,
     figure: str | None = None,
     profile: bool = True,
-    memory: bool = True,
-    memory_only: bool = False,
+    parts: tuple[str, ...] = PARTS,
+    back_to_back: int = 3,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Run the benchmark; return the JSON-able report.
 
-    ``memory_only`` measures just the peak GPU memory (for a precision whose timed
-    part runs in another process).
+    ``parts`` picks the sections: ``timed`` (rounds, raw sink, profiles, timeline),
+    ``memory`` (peak GPU memory at 1x and 2x the length; CUDA only) and
+    ``back-to-back`` (``back_to_back`` videos in a row: decode-only against
+    :func:`~nostall.video.submit_decode`, whose encoder flush overlaps the next decode).
     """
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+        raise ValueError(f"parts must be some of {PARTS}, got {tuple(parts)!r}")
     dev = torch.device(device)
-    if memory_only and dev.type != "cuda":
+    if set(parts) == {"memory"} and dev.type != "cuda":
         raise ValueError(f"peak GPU memory needs a CUDA device, got device={device!r}")
     h, w = SIZES[size]
     frames = frame_count(latent_frames)
@@ -112,48 +121,38 @@ def run_decode_bench(
             "mp4": {"codec": "libx264", "preset": preset, "crf": crf, "pix_fmt": "yuv420p"},
             "repeat": repeat,
             "rtf_fps": RTF_FPS,
+            "parts": list(parts),
         },
         "results": {},
     }
     for name in dtypes:
-        if memory_only:
-            h, w = SIZES[size]
-            vae = _vae(size, dev, DTYPES[name])
-            mem = _peak_memory(vae, dev, DTYPES[name], h, w, latent_frames)
-            report["results"][name] = {"peak_memory_gib": mem}
-            log(f"{name} peak GPU memory: {mem}")
-            del vae
-            torch.cuda.empty_cache()
-            continue
-        report["results"][name] = _bench_dtype(
-            name,
-            dev,
-            size,
-            latent_frames,
-            repeat,
-            preset,
-            crf,
-            out_dir,
-            figure,
-            profile,
-            memory,
-            log,
-        )
+        dtype = DTYPES[name]
+        vae = _vae(size, dev, dtype)
+        g = torch.Generator(device=dev).manual_seed(1)
+        z = torch.randn(1, 16, latent_frames, h, w, device=dev, generator=g).to(dtype)
+        res: dict = {}
+        if "timed" in parts:
+            res.update(
+                _timed(name, vae, z, dev, repeat, preset, crf, out_dir, figure, profile, log)
+            )
+        if "back-to-back" in parts and back_to_back > 0:
+            res["back_to_back"] = _back_to_back(
+                name, vae, z, dev, back_to_back, preset, crf, out_dir, log
+            )
+        if "memory" in parts and dev.type == "cuda":
+            res["peak_memory_gib"] = _peak_memory(vae, dev, dtype, h, w, latent_frames)
+            log(f"{name} peak GPU memory: {res['peak_memory_gib']}")
+        report["results"][name] = res
+        del vae, z
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     report["targets"] = evaluate_targets(report)
     return report
 
 
-def _bench_dtype(
-    name, dev, size, latent_frames, repeat, preset, crf, out_dir, figure, profile, memory, log
-):
-    dtype = DTYPES[name]
-    h, w = SIZES[size]
-    frames = frame_count(latent_frames)
-    vae = _vae(size, dev, dtype)
-    g = torch.Generator(device=dev).manual_seed(1)
-    z = torch.randn(1, 16, latent_frames, h, w, device=dev, generator=g).to(dtype)
+def _timed(name, vae, z, dev, repeat, preset, crf, out_dir, figure, profile, log):
+    h, w = z.shape[-2:]
+    frames = frame_count(int(z.shape[2]))
     sync_dev = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     res: dict = {}
     mp4 = os.path.join(out_dir, f"{name}.mp4")
@@ -215,10 +214,46 @@ def _bench_dtype(
                 title = f"Wan 2.1 VAE {w * 8}x{h * 8}, {name}, MP4 (libx264 {preset})"
                 plot_timelines(traces, fig, title=title)
                 res["figure"] = fig
-    if memory and dev.type == "cuda":
-        res["peak_memory_gib"] = _peak_memory(vae, dev, dtype, h, w, latent_frames)
-        log(f"{name} peak GPU memory: {res['peak_memory_gib']}")
     return res
+
+
+def _back_to_back(name, vae, z, dev, n, preset, crf, out_dir, log) -> dict:
+    """``n`` videos in a row: decode-only, one ``decode_to_file`` at a time, and
+    ``submit_decode`` (each file finished on the writer thread while the next decodes)."""
+
+    def sync_dev():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    paths = [os.path.join(out_dir, f"{name}-b2b-{i}.mp4") for i in range(n)]
+    out: dict = {"videos": n}
+    with AsyncFramePipeline(device=dev) as ap:
+        # warm-up (first MP4 of the process, allocator, cuDNN choices)
+        drain(decode_chunks(vae, z), device=dev)
+        decode_to_file(vae, z, paths[0], preset=preset, crf=crf, pipeline=ap)
+        sync_dev()
+        t = time.perf_counter()
+        for _ in range(n):
+            drain(decode_chunks(vae, z), device=dev)
+        out["decode_only_s"] = time.perf_counter() - t
+        sync_dev()
+        t = time.perf_counter()
+        for p in paths:
+            decode_to_file(vae, z, p, preset=preset, crf=crf, pipeline=ap)
+        sync_dev()
+        out["one_at_a_time_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        futures = [submit_decode(vae, z, p, preset=preset, crf=crf, pipeline=ap) for p in paths]
+        results = [f.result() for f in futures]
+        sync_dev()
+        out["submit_s"] = time.perf_counter() - t
+    out["close_s"] = [round(r.close_s, 4) for r in results]
+    for k in ("decode_only_s", "one_at_a_time_s", "submit_s"):
+        out[k.replace("_s", "_per_video_s")] = out[k] / n
+    out["submit_vs_decode_only"] = out["submit_s"] / out["decode_only_s"]
+    out["one_at_a_time_vs_decode_only"] = out["one_at_a_time_s"] / out["decode_only_s"]
+    log(f"{name} back to back x{n}: {out}")
+    return out
 
 
 def _profile(vae, z, dev, sp, ap, out_dir, name, preset, crf):
@@ -284,6 +319,16 @@ def evaluate_targets(report: dict) -> list[dict]:
                     "met": b <= 1.05 * a,
                 }
             )
+        b2b = res.get("back_to_back")
+        if b2b:
+            out.append(
+                {
+                    "target": f"{name}: {b2b['videos']} videos back to back, submit_decode vs "
+                    f"decode-only (supplementary: the encoder flush overlaps the next decode)",
+                    "measured": round(b2b["submit_vs_decode_only"], 4),
+                    "met": None,
+                }
+            )
         if "async" not in res:
             continue
         u = res.get("utilisation", {}).get("async", {})
@@ -338,8 +383,8 @@ def merge_reports(reports: list[dict]) -> dict:
     """Join reports of the same configuration run in separate processes.
 
     Results of one precision found in several reports are merged key by key (a
-    memory-only report adds ``peak_memory_gib``); each part keeps its own date and
-    commit under ``parts``. Targets are evaluated again on the merged results.
+    memory-only report adds ``peak_memory_gib``); each report keeps its own date,
+    commit and sections under ``runs``. Targets are evaluated again on the merged results.
     """
     if not reports:
         raise ValueError("merge_reports needs at least one report")
@@ -347,7 +392,7 @@ def merge_reports(reports: list[dict]) -> dict:
     keys = ("latents", "frames", "size", "mp4")
     merged = {k: v for k, v in base.items() if k not in ("results", "targets")}
     merged["results"] = {}
-    merged["parts"] = []
+    merged["runs"] = []
     for r in reports:
         if any(r["config"].get(k) != base["config"].get(k) for k in keys):
             raise ValueError(
@@ -355,8 +400,13 @@ def merge_reports(reports: list[dict]) -> dict:
                 f"{ {k: r['config'].get(k) for k in keys} } vs "
                 f"{ {k: base['config'].get(k) for k in keys} }"
             )
-        merged["parts"].append(
-            {"date": r["date"], "commit": r["commit"], "dtypes": sorted(r["results"])}
+        merged["runs"].append(
+            {
+                "date": r["date"],
+                "commit": r["commit"],
+                "dtypes": sorted(r["results"]),
+                "parts": r["config"].get("parts", list(PARTS)),
+            }
         )
         for name, res in r["results"].items():
             merged["results"].setdefault(name, {}).update(res)

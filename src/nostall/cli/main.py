@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+import time
 
 import typer
 from rich.console import Console
@@ -222,12 +224,22 @@ def bench_load(
 
 @app.command()
 def decode(
-    latents: str = typer.Argument(..., help="Latents (1, C, T, h, w): .safetensors, .pt or .npy."),
+    latents: list[str] = typer.Argument(  # noqa: B008
+        ...,
+        help="Latents (1, C, T, h, w): .safetensors, .pt or .npy; several are decoded back to back.",
+    ),
     vae: str = typer.Option(
         ..., "--vae", help="AutoencoderKLWan component folder (config.json + weights)."
     ),
     out: str = typer.Option(
-        ..., "-o", "--out", help="Output: .mp4, .npy, .y4m, or a folder for PNGs."
+        ...,
+        "-o",
+        "--out",
+        help="Output: .mp4, .npy, .y4m, or a folder for PNGs; with several latents, an "
+        "existing folder that receives one file per input.",
+    ),
+    suffix: str = typer.Option(
+        ".mp4", "--suffix", help="With several latents: the output kind (.mp4, .npy, .y4m)."
     ),
     sync: bool = typer.Option(
         False, "--sync", help="The one-thread baseline instead of the async pipeline."
@@ -243,48 +255,105 @@ def decode(
         False, "--denormalize", help="Apply z*std+mean (latents straight from the denoiser)."
     ),
 ) -> None:
-    """Decode Wan latents to a video file, chunk by chunk, with a progress bar."""
+    """Decode Wan latents to video files, chunk by chunk, with a progress bar.
+
+    Several latents files are decoded back to back through one pipeline: each file is
+    finished (the MP4 encoder flushed) on the writer thread while the next decodes.
+    """
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from nostall.api import load_model
-    from nostall.video import decode_to_file, frame_count
+    from nostall.errors import LatentsError
+    from nostall.video import (
+        AsyncFramePipeline,
+        SyncFramePipeline,
+        check_latents,
+        decode_to_file,
+        frame_count,
+        submit_decode,
+    )
     from nostall.video import denormalize as denorm
     from nostall.video.latents import load_latents
 
+    if len(latents) > 1:
+        if not os.path.isdir(out):
+            raise typer.BadParameter(
+                f"with {len(latents)} latents files, -o must be an existing folder; "
+                f"{out!r} is not one (create it first)",
+                param_hint="-o/--out",
+            )
+        if suffix not in (".mp4", ".npy", ".y4m"):
+            raise typer.BadParameter(
+                f"use .mp4, .npy or .y4m, not {suffix!r}", param_hint="--suffix"
+            )
+        targets = [
+            os.path.join(out, os.path.splitext(os.path.basename(p))[0] + suffix) for p in latents
+        ]
+        if len(set(targets)) != len(targets):
+            raise typer.BadParameter("two latents files share a name; outputs would collide")
+    else:
+        targets = [out]
     device = device or _default_device()
     dt = _dtype(dtype)
-    z = load_latents(latents)
     model = load_model(vae, device=device, dtype=dt)
-    z = z.to(device=device, dtype=dt or next(model.parameters()).dtype)
-    if denormalize:
-        z = denorm(model, z)
-    total = frame_count(int(z.shape[2])) if z.dim() == 5 else 0
-    with Progress(
-        TextColumn("decoding"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total} frames"),
-        TimeRemainingColumn(),
-        console=console,
-    ) as bar:
+    model_dtype = dt or next(model.parameters()).dtype
+
+    # Read and check every input before decoding any: a bad third file must not cost
+    # two decodes first. Latents are small (38 MB for 161 frames of 720p in fp32).
+    host = [load_latents(p) for p in latents]
+    for path, z in zip(latents, host, strict=True):
+        try:
+            check_latents(model, z)
+        except LatentsError as e:
+            raise LatentsError(f"{path}: {e}") from e
+    total = sum(frame_count(int(z.shape[2])) for z in host)
+
+    def prepare(i: int) -> torch.Tensor:
+        z = host[i].to(device=device, dtype=model_dtype)
+        return denorm(model, z) if denormalize else z
+
+    kind = SyncFramePipeline if sync else AsyncFramePipeline
+    opts = {"fps": fps, "preset": preset, "crf": crf}
+    results = []
+    t0 = time.perf_counter()
+    with (
+        Progress(
+            TextColumn("decoding"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} frames"),
+            TimeRemainingColumn(),
+            console=console,
+        ) as bar,
+        kind(device=device) as pipe,
+        torch.inference_mode(),
+    ):
         task = bar.add_task("decode", total=total)
-        with torch.inference_mode():
-            result = decode_to_file(
-                model,
-                z,
-                out,
-                fps=fps,
-                sync=sync,
-                preset=preset,
-                crf=crf,
-                progress=lambda n: bar.advance(task, n),
-            )
-    s = result.stats
-    console.print(
-        f"{result.frames} frames → {result.path} in {s.wall_s:.2f} s "
-        f"({result.frames / s.wall_s:.1f} frames/s, {s.mode}; writer busy {s.write_s:.2f} s, "
-        f"waited for the writer {s.backpressure_s:.2f} s)"
-    )
+
+        def advance(n: int) -> None:
+            bar.advance(task, n)
+
+        pending = []
+        for i, dst in enumerate(targets):
+            z = prepare(i)
+            if sync:
+                results.append(
+                    decode_to_file(model, z, dst, pipeline=pipe, progress=advance, **opts)
+                )
+            else:
+                pending.append(
+                    submit_decode(model, z, dst, pipeline=pipe, progress=advance, **opts)
+                )
+        results += [f.result() for f in pending]
+    wall = time.perf_counter() - t0
+    for result in results:
+        s = result.stats
+        console.print(
+            f"{result.frames} frames → {result.path} ({s.mode}; writer busy {s.write_s:.2f} s, "
+            f"waited for the writer {s.backpressure_s:.2f} s, closing {result.close_s:.2f} s)"
+        )
+    frames = sum(r.frames for r in results)
+    console.print(f"{frames} frames in {wall:.2f} s ({frames / wall:.1f} frames/s)")
 
 
 @bench_app.command("decode")
@@ -298,13 +367,15 @@ def bench_decode(
     out: str = typer.Option("docs/bench/decode.json", help="JSON report path."),
     figure: str = typer.Option("docs/bench/decode-timeline-{dtype}.png", help="Timeline picture."),
     work: str = typer.Option(None, help="Folder for the MP4s and traces (default: a temp dir)."),
-    memory: bool = typer.Option(True, help="Also measure peak memory at 2x latent frames."),
-    memory_only: bool = typer.Option(
-        False, "--memory-only", help="Measure only the peak GPU memory (no timed decodes)."
+    part: list[str] = typer.Option(  # noqa: B008
+        None,
+        "--part",
+        help="Sections to run (repeatable): timed, memory (CUDA), back-to-back. Default: all.",
     ),
+    back_to_back: int = typer.Option(3, help="Videos in a row for the back-to-back section."),
 ) -> None:
     """Wan VAE decode: sync vs async vs decode-only, writing real MP4s; utilisation and memory."""
-    from nostall.bench.decode import run_decode_bench
+    from nostall.bench.decode import PARTS, run_decode_bench
     from nostall.bench.load import write_report
 
     device = device or _default_device()
@@ -317,8 +388,8 @@ def bench_decode(
         preset=preset,
         out_dir=work,
         figure=figure,
-        memory=memory,
-        memory_only=memory_only,
+        parts=tuple(part) if part else PARTS,
+        back_to_back=back_to_back,
         log=lambda s: console.print(s, highlight=False),
     )
     write_report(report, out)

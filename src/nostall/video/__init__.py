@@ -4,7 +4,7 @@
 >>> decode_to_file(vae, latents, "out.mp4", fps=16)  # doctest: +SKIP
 """
 
-from nostall.video.decode import DecodeResult, decode_to_file
+from nostall.video.decode import DecodeResult, decode_to_file, submit_decode
 from nostall.video.frames import to_uint8_frames
 from nostall.video.pipeline import AsyncFramePipeline, FrameStats, SyncFramePipeline, drain
 from nostall.video.sinks import (
@@ -36,5 +36,6 @@ __all__ = [
     "drain",
     "frame_count",
     "sink_for_path",
+    "submit_decode",
     "to_uint8_frames",
 ]

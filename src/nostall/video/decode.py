@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,7 @@ from nostall.video.wan import check_latents, decode_chunks, frame_count
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan
 
-__all__ = ["DecodeResult", "decode_to_file"]
+__all__ = ["DecodeResult", "decode_to_file", "submit_decode"]
 
 
 @dataclass(frozen=True)
@@ -85,3 +86,66 @@ def decode_to_file(
             pipeline.close()
     assert stats.frames == total, (stats.frames, total)
     return DecodeResult(os.fspath(path), stats.frames, fps, stats, close_s)
+
+
+def submit_decode(
+    vae: AutoencoderKLWan,
+    latents: torch.Tensor,
+    path: str | os.PathLike,
+    *,
+    pipeline: AsyncFramePipeline,
+    fps: float = 16,
+    preset: str = "veryfast",
+    crf: int = 23,
+    threads: int = 0,
+    progress: Progress | None = None,
+) -> Future[DecodeResult]:
+    """Like :func:`decode_to_file`, but return once the GPU work is launched.
+
+    The last chunks are written and the file is finished (for MP4, x264's look-ahead
+    frames encoded, ~0.16 s at 720p) by ``pipeline``'s worker thread while the caller
+    goes on, typically to decode the next video: back to back, the GPU never waits
+    for an encoder to flush. The returned future resolves to the :class:`DecodeResult`
+    once the file is complete under its final name, or raises
+    :class:`~nostall.SinkError` with nothing left behind. Bad latents or a bad path
+    raise here, before any GPU work. Keep ``pipeline`` open until the futures are
+    done (its ``close()`` waits for them).
+
+    >>> with AsyncFramePipeline() as pipe:  # doctest: +SKIP
+    ...     futures = [submit_decode(vae, z, f"{i}.mp4", pipeline=pipe) for i, z in enumerate(zs)]
+    ...     results = [f.result() for f in futures]
+    """
+    if not isinstance(pipeline, AsyncFramePipeline):
+        raise TypeError(
+            f"submit_decode needs an open AsyncFramePipeline (it finishes the file on the "
+            f"pipeline's writer thread), got {type(pipeline).__name__}; use decode_to_file "
+            f"for the synchronous baseline"
+        )
+    check_latents(vae, latents)
+    total = frame_count(int(latents.shape[2]))
+    sink = sink_for_path(path, fps=fps, preset=preset, crf=crf, threads=threads)
+    try:
+        chunks = decode_chunks(vae, latents)
+    except BaseException:
+        sink.abort()
+        raise
+    done = pipeline.submit(chunks, sink, progress=progress)
+    result: Future[DecodeResult] = Future()
+    result.set_running_or_notify_cancel()
+    where = os.fspath(path)
+
+    def settle(f: Future[FrameStats]) -> None:
+        err = f.exception()
+        if err is not None:
+            result.set_exception(err)
+            return
+        stats = f.result()
+        if stats.frames != total:
+            result.set_exception(
+                RuntimeError(f"wrote {stats.frames} frames to {where!r}, expected {total}")
+            )
+            return
+        result.set_result(DecodeResult(where, stats.frames, fps, stats, stats.close_s))
+
+    done.add_done_callback(settle)
+    return result
