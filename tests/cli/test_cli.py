@@ -111,6 +111,7 @@ def test_bench_decode_tiny_on_cpu_writes_json_and_table(tmp_path):
     assert report["config"]["frames"] == 5
     assert set(report["results"]["fp32"]) >= {"decode-only", "sync", "async", "raw_npy"}
     assert "async" in result.output and "1.02x decode-only" in result.output
+    assert "back to back" in result.output and "submit_decode" in result.output
 
 
 def test_bench_decode_memory_only_needs_cuda(tmp_path):

@@ -405,10 +405,21 @@ def merge_reports(reports: list[dict]) -> dict:
                 "date": r["date"],
                 "commit": r["commit"],
                 "dtypes": sorted(r["results"]),
-                "parts": r["config"].get("parts", list(PARTS)),
+                "parts": _parts_in(r),
             }
         )
         for name, res in r["results"].items():
             merged["results"].setdefault(name, {}).update(res)
     merged["targets"] = evaluate_targets(merged)
     return merged
+
+
+def _parts_in(report: dict) -> list[str]:
+    """The sections a report holds results for (older reports did not list them)."""
+    found = set()
+    for res in report["results"].values():
+        found |= {p for p, key in _PART_KEYS.items() if key in res}
+    return [p for p in PARTS if p in found]
+
+
+_PART_KEYS = {"timed": "async", "memory": "peak_memory_gib", "back-to-back": "back_to_back"}

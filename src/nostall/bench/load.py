@@ -436,6 +436,11 @@ def _best(recs: dict, scenario: str, prefix: str, exclude: str | None = None):
 
 
 def _commit() -> str:
+    # The GPU machine gets a copy of the working tree whose .git may be stale; the
+    # device script passes the real commit in NOSTALL_COMMIT.
+    env = os.environ.get("NOSTALL_COMMIT")
+    if env and env != "unknown":
+        return env
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
@@ -445,7 +450,7 @@ def _commit() -> str:
         )
         return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("NOSTALL_COMMIT", "unknown")
+        return "unknown"
 
 
 def _hardware(dev: torch.device) -> dict:

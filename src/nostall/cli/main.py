@@ -417,7 +417,22 @@ def bench_decode(
                 f"{r['close_mean_s']:.3f}" if "close_mean_s" in r else "",
                 f"{u:.2%}" if u is not None else "",
             )
-    console.print(table)
+    if table.row_count:
+        console.print(table)
+    b2b = {n: r["back_to_back"] for n, r in report["results"].items() if "back_to_back" in r}
+    if b2b:
+        bt = Table(title="back to back: seconds per video")
+        for col in ("dtype", "videos", "decode-only", "one at a time", "submit_decode"):
+            bt.add_column(col, justify="left" if col == "dtype" else "right")
+        for name, r in b2b.items():
+            bt.add_row(
+                name,
+                str(r["videos"]),
+                f"{r['decode_only_per_video_s']:.3f}",
+                f"{r['one_at_a_time_per_video_s']:.3f} ({r['one_at_a_time_vs_decode_only']:.3f}x)",
+                f"{r['submit_per_video_s']:.3f} ({r['submit_vs_decode_only']:.3f}x)",
+            )
+        console.print(bt)
     for t in report["targets"]:
         mark = {True: "[green]met[/green]", False: "[red]MISSED[/red]", None: "·"}[t["met"]]
         console.print(f"{mark}  {t['target']}: {t['measured']}")
