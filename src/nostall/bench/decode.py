@@ -150,15 +150,20 @@ def run_decode_bench(
     return report
 
 
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 def _timed(name, vae, z, dev, repeat, preset, crf, out_dir, figure, profile, log):
     h, w = z.shape[-2:]
     frames = frame_count(int(z.shape[2]))
-    sync_dev = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+
     res: dict = {}
     mp4 = os.path.join(out_dir, f"{name}.mp4")
 
     def decode_only() -> float:
-        sync_dev()
+        _sync(dev)
         t = time.perf_counter()
         drain(decode_chunks(vae, z), device=dev)
         return time.perf_counter() - t
@@ -166,10 +171,10 @@ def _timed(name, vae, z, dev, repeat, preset, crf, out_dir, figure, profile, log
     closes: dict[str, list[float]] = {"sync": [], "async": []}
 
     def to_file(pipe, path, mode=None) -> float:
-        sync_dev()
+        _sync(dev)
         t = time.perf_counter()
         result = decode_to_file(vae, z, path, preset=preset, crf=crf, pipeline=pipe)
-        sync_dev()
+        _sync(dev)
         elapsed = time.perf_counter() - t
         if mode is not None:
             closes[mode].append(result.close_s)
@@ -221,31 +226,27 @@ def _back_to_back(name, vae, z, dev, n, preset, crf, out_dir, log) -> dict:
     """``n`` videos in a row: decode-only, one ``decode_to_file`` at a time, and
     ``submit_decode`` (each file finished on the writer thread while the next decodes)."""
 
-    def sync_dev():
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-
     paths = [os.path.join(out_dir, f"{name}-b2b-{i}.mp4") for i in range(n)]
     out: dict = {"videos": n}
     with AsyncFramePipeline(device=dev) as ap:
         # warm-up (first MP4 of the process, allocator, cuDNN choices)
         drain(decode_chunks(vae, z), device=dev)
         decode_to_file(vae, z, paths[0], preset=preset, crf=crf, pipeline=ap)
-        sync_dev()
+        _sync(dev)
         t = time.perf_counter()
         for _ in range(n):
             drain(decode_chunks(vae, z), device=dev)
         out["decode_only_s"] = time.perf_counter() - t
-        sync_dev()
+        _sync(dev)
         t = time.perf_counter()
         for p in paths:
             decode_to_file(vae, z, p, preset=preset, crf=crf, pipeline=ap)
-        sync_dev()
+        _sync(dev)
         out["one_at_a_time_s"] = time.perf_counter() - t
         t = time.perf_counter()
         futures = [submit_decode(vae, z, p, preset=preset, crf=crf, pipeline=ap) for p in paths]
         results = [f.result() for f in futures]
-        sync_dev()
+        _sync(dev)
         out["submit_s"] = time.perf_counter() - t
     out["close_s"] = [round(r.close_s, 4) for r in results]
     for k in ("decode_only_s", "one_at_a_time_s", "submit_s"):

@@ -34,7 +34,10 @@ class DecodeResult:
     frames: int
     fps: float
     stats: FrameStats
-    close_s: float = 0.0
+
+    @property
+    def close_s(self) -> float:
+        return self.stats.close_s
 
 
 def decode_to_file(
@@ -80,12 +83,12 @@ def decode_to_file(
             stats = pipeline.run(decode_chunks(vae, latents), sink, progress=progress)
             t = time.perf_counter()
             sink.close()
-            close_s = time.perf_counter() - t
+            stats.close_s = time.perf_counter() - t
     finally:
         if own:
             pipeline.close()
     assert stats.frames == total, (stats.frames, total)
-    return DecodeResult(os.fspath(path), stats.frames, fps, stats, close_s)
+    return DecodeResult(os.fspath(path), stats.frames, fps, stats)
 
 
 def submit_decode(
@@ -145,7 +148,7 @@ def submit_decode(
                 RuntimeError(f"wrote {stats.frames} frames to {where!r}, expected {total}")
             )
             return
-        result.set_result(DecodeResult(where, stats.frames, fps, stats, stats.close_s))
+        result.set_result(DecodeResult(where, stats.frames, fps, stats))
 
     done.add_done_callback(settle)
     return result

@@ -69,8 +69,9 @@ class FrameStats:
         backpressure_s: time the calling thread waited for a free host buffer.
         write_s: time spent inside ``sink.write`` (worker thread when asynchronous).
         copy_wait_s: time the writer waited for device→host copies to finish.
-        close_s: time the worker spent closing the sink (:meth:`AsyncFramePipeline.submit`
-            only; ``run`` leaves closing to the caller).
+        close_s: time spent closing the sink (by the worker after
+            :meth:`AsyncFramePipeline.submit`, or by ``decode_to_file``; ``run`` leaves
+            closing to the caller and reports 0).
         chunk_log: ``(frames, write start, write end)`` per chunk, seconds from the start.
     """
 
