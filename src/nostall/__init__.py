@@ -10,6 +10,8 @@ objects that create them.
 
 from nostall.api import default_loader, load_model, load_state_dict
 from nostall.errors import (
+    ArgumentError,
+    BusyError,
     CheckpointError,
     ClosedError,
     DeviceError,
@@ -19,6 +21,7 @@ from nostall.errors import (
     PoolExhausted,
     ReadError,
     SinkError,
+    UnsupportedError,
 )
 from nostall.memory.pool import PinnedPool, PoolStats
 from nostall.transfer.loader import Loader, LoadResult, LoadStats
@@ -26,6 +29,8 @@ from nostall.transfer.loader import Loader, LoadResult, LoadStats
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentError",
+    "BusyError",
     "CheckpointError",
     "ClosedError",
     "DeviceError",
@@ -40,6 +45,7 @@ __all__ = [
     "PoolStats",
     "ReadError",
     "SinkError",
+    "UnsupportedError",
     "__version__",
     "default_loader",
     "load_model",

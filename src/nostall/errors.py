@@ -5,13 +5,16 @@ service can catch the whole family with one ``except`` clause and still tell the
 cases apart by type (never by message text)::
 
     NostallError
+    ├── ArgumentError            a bad argument or option value (also a ``ValueError``)
     ├── CheckpointError          a checkpoint on disk is malformed or missing pieces
     │   └── ModelMismatchError   the tensors do not fit the module they are loaded into
     ├── ReadError                the operating system refused or failed a read
     ├── PoolExhausted            the pinned host pool cannot hold a request
+    ├── BusyError                a pool cannot close: blocks are still held by loads
     ├── DeviceError              the requested device is unusable (no CUDA, bad index)
     ├── ClosedError              a pool, loader or pipeline was used after ``close()``
-    ├── LatentsError             latents of the wrong rank, channel count or dtype
+    ├── UnsupportedError         a model class, library version or mode nostall cannot drive
+    ├── LatentsError             latents of the wrong rank, channels, dtype, device or values
     └── SinkError                a frame sink failed (disk full, closed, bad path)
 
 Messages name the file, the tensor and the numbers involved, and say how to fix
@@ -24,6 +27,8 @@ from __future__ import annotations
 import os
 
 __all__ = [
+    "ArgumentError",
+    "BusyError",
     "CheckpointError",
     "ClosedError",
     "DeviceError",
@@ -33,11 +38,21 @@ __all__ = [
     "PoolExhausted",
     "ReadError",
     "SinkError",
+    "UnsupportedError",
 ]
 
 
 class NostallError(Exception):
     """Root of every exception nostall raises on purpose."""
+
+
+class ArgumentError(NostallError, ValueError):
+    """An argument or option has a value nostall cannot use (``threads=0``, an unknown
+    read mode, a pool larger than the machine's memory).
+
+    Also a ``ValueError``, so code written against the standard convention still
+    catches it.
+    """
 
 
 class CheckpointError(NostallError):
@@ -113,6 +128,14 @@ class PoolExhausted(NostallError):
         super().__init__(message)
 
 
+class BusyError(NostallError):
+    """An object cannot close now: another thread still holds memory it owns.
+
+    Raised by :meth:`nostall.PinnedPool.close` when blocks stay held past its
+    timeout; the memory stays registered (safe) and ``close()`` may be called again.
+    """
+
+
 class DeviceError(NostallError):
     """The requested device cannot be used (no CUDA build or GPU, index out of range)."""
 
@@ -121,8 +144,14 @@ class ClosedError(NostallError):
     """An object that owns threads, streams or memory was used after ``close()``."""
 
 
+class UnsupportedError(NostallError):
+    """nostall cannot drive this object: another VAE class, an incompatible version of
+    a library whose internals nostall relies on, or a mode the machine lacks."""
+
+
 class LatentsError(NostallError):
-    """Latents passed to a video decoder have the wrong rank, channels or dtype."""
+    """Latents passed to a video decoder have the wrong rank, channels, dtype or device,
+    or hold NaN/inf values."""
 
 
 class SinkError(NostallError):

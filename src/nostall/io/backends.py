@@ -7,14 +7,13 @@ import logging
 import mmap
 import os
 
-from nostall.io.base import ReadBackend, UnsupportedBackend, open_error, register_backend
+from nostall.io.base import ReadBackend, UnsupportedBackend, open_error
 
 __all__ = ["BufferedBackend", "DirectBackend", "open_backend"]
 
 log = logging.getLogger(__name__)
 
 
-@register_backend
 class BufferedBackend(ReadBackend):
     """Plain ``preadv`` through the page cache: the fast path when the file is cached,
     and it leaves the file cached for the next worker that restarts."""
@@ -32,7 +31,6 @@ class BufferedBackend(ReadBackend):
         return fd
 
 
-@register_backend
 class DirectBackend(ReadBackend):
     """``O_DIRECT`` reads: bypass the page cache (no double buffering of tens of GB,
     no eviction of other workers' files). Destination, offset and length must be

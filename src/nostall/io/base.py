@@ -20,8 +20,6 @@ __all__ = [
     "DEFAULT_BLOCK_BYTES",
     "ReadBackend",
     "UnsupportedBackend",
-    "backend",
-    "register_backend",
 ]
 
 # MuseAI's figure: 2 MiB requests need 1/16 of the syscalls of 128 KiB ones, and
@@ -107,23 +105,6 @@ class ReadBackend(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-_REGISTRY: dict[str, type[ReadBackend]] = {}
-
-
-def register_backend(cls: type[ReadBackend]) -> type[ReadBackend]:
-    """Class decorator: make a backend available by its ``name``."""
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def backend(name: str) -> type[ReadBackend]:
-    """The backend class registered under ``name`` (``"buffered"``, ``"direct"``)."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown read mode {name!r}; choose one of {sorted(_REGISTRY)}") from None
 
 
 def open_error(path: str, e: OSError) -> ReadError:

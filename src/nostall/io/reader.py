@@ -9,6 +9,7 @@ the host→device copy of a chunk while later chunks are still being read.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -16,11 +17,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from nostall.errors import ClosedError
+from nostall.errors import ArgumentError, ClosedError
 from nostall.io.base import ReadBackend
-from nostall.memory.host import cpu_count
 
-__all__ = ["Cancelled", "ParallelReader", "ReadHandle", "ReadRequest"]
+__all__ = ["ParallelReader", "ReadHandle", "ReadRequest", "cpu_count"]
 
 # Marks a request skipped after cancellation: neither a success nor the failure.
 _SKIPPED = object()
@@ -33,20 +33,22 @@ class ReadRequest:
     ``dest`` is called on the reader thread right before the read, so a request
     whose buffer is still busy (a staging slot whose copy has not finished) can
     wait there without blocking the caller; it gets the handle's cancel event and
-    raises :class:`Cancelled` if that is set while it waits. At least ``expected`` bytes must
-    arrive (the rest may fall past end of file, for aligned direct reads).
+    returns ``None`` if that is set while it waits (the request is then skipped). At
+    least ``expected`` bytes must arrive (the rest may fall past end of file, for
+    aligned direct reads).
     """
 
     file: ReadBackend
     offset: int
     length: int
     expected: int
-    dest: Callable[[threading.Event], memoryview]
+    dest: Callable[[threading.Event], memoryview | None]
     tag: Any = None
 
 
-class Cancelled(Exception):
-    """A request's ``dest()`` saw the handle cancelled while waiting for its buffer."""
+def cpu_count() -> int:
+    """CPUs this process may run on (its affinity mask, where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class ReadHandle:
@@ -106,8 +108,8 @@ class ParallelReader:
 
     def __init__(self, *, threads: int | None = None):
         self.threads = threads if threads is not None else min(16, cpu_count())
-        if self.threads <= 0:
-            raise ValueError(f"threads must be positive, got {self.threads}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads <= 0:
+            raise ArgumentError(f"threads must be a positive integer, got {self.threads!r}")
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             self.threads, thread_name_prefix="nostall-read"
         )
@@ -140,11 +142,11 @@ def _run(r: ReadRequest, handle: ReadHandle) -> None:
         return
     try:
         dest = r.dest(handle.cancel_event)
-        r.file.read_exact(dest[: r.length], r.offset, r.expected, cancel=handle.cancel_event)
-    except BaseException as e:
-        if handle.cancel_event.is_set() and isinstance(e, Cancelled):
+        if dest is None:  # gave up waiting for its buffer: the load was cancelled
             handle._queue.put((r.tag, _SKIPPED))
             return
+        r.file.read_exact(dest[: r.length], r.offset, r.expected, cancel=handle.cancel_event)
+    except BaseException as e:
         handle.cancel_event.set()
         handle._queue.put((r.tag, e))
     else:

@@ -18,7 +18,6 @@ import contextlib
 import ctypes
 import logging
 import mmap
-import os
 from collections.abc import Iterator
 
 import torch
@@ -28,7 +27,6 @@ from nostall.errors import ClosedError, DeviceError
 __all__ = [
     "PAGE",
     "HostArena",
-    "cpu_count",
     "cuda_available",
     "hugepage_bytes",
     "memory_available",
@@ -224,7 +222,3 @@ def memory_available() -> int | None:
     except OSError:
         return None
     return None
-
-
-def cpu_count() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

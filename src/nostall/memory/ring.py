@@ -13,7 +13,6 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from nostall.io.reader import Cancelled
 from nostall.memory.host import HostArena
 
 __all__ = ["StagingRing"]
@@ -56,18 +55,18 @@ class StagingRing:
     def offset(self, seq: int) -> int:
         return (seq % self.slots) * self.slot_bytes
 
-    def acquire(self, seq: int, cancel: threading.Event) -> memoryview:
+    def acquire(self, seq: int, cancel: threading.Event) -> memoryview | None:
         """Wait until slot ``seq % slots`` is free for chunk ``seq``; return its memory.
 
         Free means: the copy of chunk ``seq - slots`` (the slot's previous user) was
-        issued *and* its event has completed. Raises :class:`Cancelled` if the load
-        is cancelled while waiting.
+        issued *and* its event has completed. Returns ``None`` if the load is
+        cancelled while waiting (the chunk will never be read).
         """
         s = seq % self.slots
         with self._cond:
             while self._issued[s] < seq - self.slots:
                 if cancel.is_set():
-                    raise Cancelled()
+                    return None
                 self._cond.wait(0.05)
             event = self._events[s]
         if event is not None:
