@@ -63,9 +63,122 @@ def test_pool_read_then_memory_cache_hit(loader, pool, big_file, mode):
     second = loader.load(big_file, pool=pool)
     assert second.stats.scenario == "memory-cache hit" and second.stats.read_s == 0
     assert_same(second.tensors, ref)
-    # CPU tensors from the pool are views of the cached block, not copies
-    assert first.tensors["big"].data_ptr() == second.tensors["big"].data_ptr()
-    assert pool.stats().blocks == 1
+    # CPU tensors from the pool own their memory: never views of the cached block
+    assert first.tensors["big"].data_ptr() != second.tensors["big"].data_ptr()
+    s = pool.stats()
+    assert s.blocks == 1 and s.in_use == 0 and s.cached > 0
+
+
+def test_cpu_loads_through_a_pool_cannot_change_the_cache(loader, pool, big_file):
+    # A LoRA fuse or an optimizer step on a loaded tensor must not reach the cached bytes.
+    ref = load_file(str(big_file))
+    first = loader.load(big_file, pool=pool).tensors
+    first["big"].add_(1.0)
+    first["i64"].zero_()
+    second = loader.load(big_file, pool=pool)
+    assert second.stats.scenario == "memory-cache hit"
+    assert_same(second.tensors, ref)
+    second.tensors["f32"].mul_(0)
+    assert_same(loader.load(big_file, pool=pool).tensors, ref)
+    assert torch.equal(first["big"], ref["big"] + 1.0)  # the caller's change is kept
+
+
+def test_rewrite_in_place_restoring_mtime_is_not_served_stale(loader, pool, tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_file({"w": torch.zeros(1000)}, str(path))
+    loader.load(path, pool=pool)
+    st = os.stat(path)
+    time.sleep(0.05)  # ctime ticks coarsely
+    new = tmp_path / "new.safetensors"
+    save_file({"w": torch.ones(1000)}, str(new))
+    with open(path, "r+b") as f:  # same inode, same size
+        f.write(new.read_bytes())
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # rsync -t / touch -r
+    st2 = os.stat(path)
+    assert (st2.st_ino, st2.st_size, st2.st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)
+    result = loader.load(path, pool=pool)
+    assert result.stats.scenario == "read"
+    assert torch.equal(result.tensors["w"], torch.ones(1000))
+
+
+def test_failed_hit_gives_the_block_back(loader, pool, big_file, monkeypatch):
+    from nostall.transfer import loader as loader_mod
+
+    loader.load(big_file, pool=pool)
+    real = loader_mod._target_buffer
+
+    def oom(nbytes, dev):
+        raise torch.OutOfMemoryError(f"injected: cannot allocate {nbytes} bytes")
+
+    monkeypatch.setattr(loader_mod, "_target_buffer", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        loader.load(big_file, pool=pool)
+    s = pool.stats()
+    assert s.in_use == 0 and s.cached > 0  # not held forever, and still cached
+    monkeypatch.setattr(loader_mod, "_target_buffer", real)
+    again = loader.load(big_file, pool=pool)
+    assert again.stats.scenario == "memory-cache hit"
+    assert_same(again.tensors, load_file(str(big_file)))
+
+
+def _storages(tensors):
+    return {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in tensors.values()
+        if t.numel()
+    }
+
+
+def test_dtype_that_changes_nothing_copies_nothing(loader, pool, tmp_path):
+    g = torch.Generator().manual_seed(3)
+    ref = {f"w{i}": torch.randn(256, 257, generator=g).to(torch.bfloat16) for i in range(4)}
+    ref["step"] = torch.tensor(7)
+    path = tmp_path / "bf16.safetensors"
+    save_file(ref, str(path))
+    nbytes = sum(t.numel() * t.element_size() for t in ref.values())
+    for kwargs in ({}, {"pool": pool}, {"pool": pool}):
+        out = loader.load(path, dtype=torch.bfloat16, **kwargs).tensors
+        assert_same(out, ref)
+        storages = _storages(out)
+        assert len(storages) == 1  # views of one buffer, not a second copy
+        assert next(iter(storages.values())) < nbytes + 8192
+
+
+@pytest.mark.parametrize("use_pool", [False, True])
+def test_dtype_casts_only_what_changes_and_never_holds_two_copies(
+    loader, pool, tmp_path, monkeypatch, use_pool
+):
+    from nostall.transfer import loader as loader_mod
+
+    g = torch.Generator().manual_seed(4)
+    ref = {
+        "keep": torch.randn(300, 301, generator=g).to(torch.bfloat16),
+        "cast": torch.randn(512, 1024, generator=g),  # 2 MiB of fp32, crosses chunks
+        "ids": torch.arange(1000),
+        "f8": torch.randn(64, generator=g).to(torch.float8_e4m3fn),
+        "keep_fp32": torch.randn(17, generator=g),
+    }
+    path = tmp_path / "mixed.safetensors"
+    save_file(ref, str(path))
+    released = []
+    real = loader_mod.release_pages
+    monkeypatch.setattr(
+        loader_mod, "release_pages", lambda t, a, b: released.append(b - a) or real(t, a, b)
+    )
+    dtype = {"keep": torch.bfloat16, "cast": torch.bfloat16, "keep_fp32": torch.float32}
+    kwargs = {"pool": pool} if use_pool else {}
+    out = loader.load(path, dtype=dtype, **kwargs).tensors
+    assert out["cast"].dtype == torch.bfloat16
+    assert torch.equal(bits(out["cast"]), bits(ref["cast"].to(torch.bfloat16)))
+    for k in ("keep", "ids", "f8", "keep_fp32"):
+        assert torch.equal(bits(out[k]), bits(ref[k])) and out[k].dtype == ref[k].dtype
+    target = sum(t.numel() * t.element_size() for t in ref.values()) - ref["cast"].numel() * 2
+    if use_pool:
+        storages = _storages(out)
+        assert len(storages) == 1 and next(iter(storages.values())) < target + 8192
+    else:
+        # The fp32 bytes of the cast tensor were given back once it was cast.
+        assert sum(released) >= ref["cast"].numel() * 4 - 2 * 4096
 
 
 def test_changed_file_is_not_served_from_cache(loader, pool, tmp_path):

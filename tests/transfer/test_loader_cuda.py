@@ -106,7 +106,64 @@ def test_dtype_cast_on_device(big_file):
             assert torch.equal(out.tensors[k].cpu(), t.to(torch.bfloat16)), k
         else:
             assert torch.equal(bits(out.tensors[k]), bits(t)), k
-    assert out.stats.cast_s > 0
+
+
+def _peak_during(fn):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - base
+
+
+@pytest.mark.parametrize("use_pool", [False, True])
+def test_dtype_never_holds_two_copies_on_device(tmp_path, pool, use_pool):
+    g = torch.Generator().manual_seed(5)
+    bf16 = {f"w{i}": torch.randn(1024, 1024, generator=g).to(torch.bfloat16) for i in range(8)}
+    path = tmp_path / "bf16.safetensors"
+    save_file(bf16, str(path))
+    kwargs = {"pool": pool} if use_pool else {}
+    with Loader(threads=2) as ld:
+        # Nothing changes dtype: one buffer of the checkpoint's size, no second copy.
+        out, peak = _peak_during(
+            lambda: ld.load(path, device="cuda", dtype=torch.bfloat16, **kwargs)
+        )
+        assert_same(out.tensors, {k: v.cuda() for k, v in bf16.items()})
+        nbytes = 8 * (1 << 21)
+        assert peak <= nbytes + (4 << 20), peak
+        del out
+        # fp32 → bf16: the target size plus tensors in flight, never fp32 + bf16 in full.
+        fp32 = {k: v.float() for k, v in bf16.items()}
+        path32 = tmp_path / "fp32.safetensors"
+        save_file(fp32, str(path32))
+        out, peak = _peak_during(
+            lambda: ld.load(path32, device="cuda", dtype=torch.bfloat16, **kwargs)
+        )
+        assert_same(out.tensors, {k: v.cuda() for k, v in bf16.items()})
+        assert peak < nbytes + 2 * nbytes, peak  # target 16 MiB + at most the fp32 in flight
+        assert peak < 2 * nbytes + (6 << 20)
+
+
+def test_failed_hit_on_gpu_gives_the_block_back(big_file, pool, monkeypatch):
+    from nostall.transfer import loader as loader_mod
+
+    with Loader(threads=2) as ld:
+        ld.load(big_file, device="cuda", pool=pool)
+
+        def oom(nbytes, dev):
+            raise torch.OutOfMemoryError(f"injected: cannot allocate {nbytes} bytes on {dev}")
+
+        real = loader_mod._target_buffer
+        monkeypatch.setattr(loader_mod, "_target_buffer", oom)
+        with pytest.raises(torch.OutOfMemoryError):
+            ld.load(big_file, device="cuda", pool=pool)
+        assert pool.stats().in_use == 0
+        monkeypatch.setattr(loader_mod, "_target_buffer", real)
+        hit = ld.load(big_file, device="cuda", pool=pool)
+        assert hit.stats.scenario == "memory-cache hit"
+        assert_same(hit.tensors, load_file(str(big_file), device="cuda"))
 
 
 def test_read_error_on_gpu_load_leaves_loader_usable(big_file, pool, monkeypatch):

@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import logging
 import mmap
+import os
 from collections.abc import Iterator
 
 import torch
@@ -30,6 +31,8 @@ __all__ = [
     "cuda_available",
     "hugepage_bytes",
     "memory_available",
+    "memory_limit",
+    "release_pages",
     "round_up",
 ]
 
@@ -63,6 +66,12 @@ class HostArena:
     Pinning is explicit and incremental: :meth:`pin_segment` touches a segment's
     pages and registers them with CUDA. Without CUDA, pinning only touches.
 
+    ``device`` is the GPU whose CUDA context registers (and later unregisters) the
+    pages. The registration is *portable*, so copies to every GPU of the process run
+    at full speed from it; the device only decides which context the runtime creates
+    if none exists yet — a process working on ``cuda:1`` must not grow a context on
+    GPU 0 just because it pinned memory (default: the calling thread's current GPU).
+
     >>> arena = HostArena(64 << 20, segment_bytes=32 << 20)
     >>> for i in range(arena.num_segments):
     ...     arena.pin_segment(i, register=False)
@@ -70,13 +79,21 @@ class HostArena:
     67108864
     """
 
-    def __init__(self, nbytes: int, *, segment_bytes: int = 1 << 30, hugepages: bool = True):
+    def __init__(
+        self,
+        nbytes: int,
+        *,
+        segment_bytes: int = 1 << 30,
+        hugepages: bool = True,
+        device: int | None = None,
+    ):
         if nbytes <= 0:
             raise ValueError(f"arena size must be positive, got {nbytes}")
         if segment_bytes <= 0 or segment_bytes % PAGE:
             raise ValueError(f"segment_bytes={segment_bytes} must be a positive multiple of {PAGE}")
         self.nbytes = round_up(nbytes, PAGE)
         self.segment_bytes = segment_bytes
+        self.device = device
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
         self._map: mmap.mmap | None = mmap.mmap(-1, self.nbytes, flags=flags)
         if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
@@ -138,8 +155,9 @@ class HostArena:
             self._touched[i] = True
 
         if register and not self._registered[i]:
-            cudart = torch.cuda.cudart()
-            rc = cudart.cudaHostRegister(self.address + start, end - start, _REGISTER_PORTABLE)
+            with self._on_device():
+                cudart = torch.cuda.cudart()
+                rc = cudart.cudaHostRegister(self.address + start, end - start, _REGISTER_PORTABLE)
             if int(rc) != 0:
                 log.warning(
                     "cudaHostRegister refused %d bytes at segment %d (error %s); "
@@ -162,26 +180,60 @@ class HostArena:
         # slower and feed the GPU's copy engine slower.
         _madvise(self.address + start, end - start, _MADV_COLLAPSE)
 
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        # torch's guard restores the previous device without creating its context.
+        if self.device is None:
+            return contextlib.nullcontext()
+        return torch.cuda.device(self.device)
+
     def close(self) -> None:
         """Unregister every pinned segment. Idempotent.
 
         The caller must ensure no copy still reads these pages (synchronise the
         events of the copies first); views remain valid as pageable memory.
+        Raises :class:`~nostall.DeviceError` if CUDA refuses to unregister a segment
+        (every segment is still tried, and the arena counts as closed).
         """
         if self._map is None:
             return
+        failed: list[str] = []
         if any(self._registered):
             try:
-                cudart = torch.cuda.cudart()
+                with self._on_device():
+                    cudart = torch.cuda.cudart()
+                    for i, r in enumerate(self._registered):
+                        if r:
+                            rc = cudart.cudaHostUnregister(self.address + self.segment_range(i)[0])
+                            self._registered[i] = False
+                            if int(rc) != 0:
+                                failed.append(f"segment {i} (error {rc})")
             except Exception as e:  # CUDA torn down at interpreter exit
                 raise DeviceError(f"cannot unregister pinned memory: {e}") from e
-            for i, r in enumerate(self._registered):
-                if r:
-                    cudart.cudaHostUnregister(self.address + self.segment_range(i)[0])
-                    self._registered[i] = False
         # Drop our references; the mapping is unmapped once no tensor view uses it.
         self.tensor = None  # type: ignore[assignment]
         self._map = None
+        if failed:
+            raise DeviceError(
+                f"cudaHostUnregister refused {len(failed)} of the arena's segments: "
+                f"{', '.join(failed)}; the pages stay locked until the process exits"
+            )
+
+
+_MADV_DONTNEED = 4
+
+
+def release_pages(tensor: torch.Tensor, start: int, end: int) -> int:
+    """Give the whole pages inside bytes ``[start, end)`` of a private anonymous
+    mapping back to the OS (they read as zeros afterwards); returns bytes released.
+
+    For a buffer that only partly stays in use: a CPU load that cast some tensors
+    into new memory releases the bytes they came from.
+    """
+    lo = round_up(tensor.data_ptr() + start, PAGE)
+    hi = (tensor.data_ptr() + end) // PAGE * PAGE
+    if hi <= lo:
+        return 0
+    return hi - lo if _madvise(lo, hi - lo, _MADV_DONTNEED) else 0
 
 
 def _madvise(address: int, length: int, advice: int) -> bool:
@@ -212,13 +264,98 @@ def hugepage_bytes(address: int, length: int) -> int | None:
     return total
 
 
-def memory_available() -> int | None:
-    """``MemAvailable`` from ``/proc/meminfo`` in bytes, or ``None`` where unknown."""
+def _meminfo(field: str) -> int | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def memory_available() -> int | None:
+    """``MemAvailable`` from ``/proc/meminfo`` in bytes, or ``None`` where unknown."""
+    return _meminfo("MemAvailable")
+
+
+# A cgroup limit this large means "no limit" (cgroup v1 writes 2**63 rounded to a page).
+_UNLIMITED = 1 << 62
+
+
+def _cgroup_limit(
+    proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
+) -> int | None:
+    """The smallest memory limit over this process's cgroup and its ancestors (v2
+    ``memory.max``, v1 ``memory.limit_in_bytes``), or ``None`` when there is none."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    candidates: list[str] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            base, name = root, "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = os.path.join(root, "memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        comps = [c for c in path.split("/") if c]
+        # The cgroup's own folder and its ancestors; inside a container the mount is
+        # often the cgroup itself, so the path's tails are tried too.
+        for k in range(len(comps) + 1):
+            candidates.append(os.path.join(base, *comps[:k], name))
+            candidates.append(os.path.join(base, *comps[k:], name))
+    limits = []
+    for file in dict.fromkeys(candidates):
+        try:
+            with open(file) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < _UNLIMITED:
+            limits.append(int(text))
+    return min(limits) if limits else None
+
+
+def _online_memory(root: str = "/sys/devices/system/memory") -> int | None:
+    # Memory the kernel has online, counted in hot-plug blocks: on a VM whose balloon
+    # holds memory back, MemTotal reads low (31 GiB of 256 seen at start) while the
+    # blocks are all there.
+    try:
+        with open(os.path.join(root, "block_size_bytes")) as f:
+            block = int(f.read().strip(), 16)
+        online = 0
+        for name in os.listdir(root):
+            if name.startswith("memory") and name[6:].isdigit():
+                with open(os.path.join(root, name, "state")) as f:
+                    online += f.read().strip() == "online"
+    except (OSError, ValueError):
+        return None
+    return online * block or None
+
+
+def memory_limit() -> tuple[int | None, str]:
+    """The most memory this process can use, and where that figure comes from.
+
+    A container's cgroup limit first (``/proc/meminfo`` does not show it), then the
+    machine's memory: the larger of ``MemTotal`` and the online hot-plug blocks.
+    ``(None, "unknown")`` where neither can be read.
+
+    >>> limit, source = memory_limit()
+    >>> source in ("cgroup", "machine", "unknown")
+    True
+    """
+    cgroup = _cgroup_limit()
+    machine = max(
+        (x for x in (_meminfo("MemTotal"), _online_memory()) if x is not None), default=None
+    )
+    if cgroup is not None and (machine is None or cgroup < machine):
+        return cgroup, "cgroup"
+    return machine, "machine" if machine is not None else "unknown"

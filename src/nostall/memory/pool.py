@@ -13,12 +13,19 @@ rounding is what makes MuseAI's sequence — load 2.8 GB, load 8.5 GB, free the
 of pinning anew: both round to the same class.
 
 A block may be **cached** under a key (a checkpoint's file identity): when its
-user releases it, its bytes stay in the pool, idle, so the next load of the same
-checkpoint is one host→device copy. Idle cached blocks are evicted least-recently
-used when a request does not fit (``evict=True``, the default) or only on the
-caller's demand (``evict=False``: the request raises :class:`PoolExhausted`).
-Blocks handed to callers as CPU tensors are *leased*: they are never evicted
-while any of those tensors is alive.
+last holder releases it, its bytes stay in the pool, idle, so the next load of the
+same checkpoint is one host→device copy. Idle cached blocks are evicted least-
+recently used when a request does not fit (``evict=True``, the default) or only on
+the caller's demand (``evict=False``: the request raises :class:`PoolExhausted`).
+A block is never evicted while anyone holds it.
+
+Who may write a block: only its allocator, before the first release. Cached bytes
+are served to later holders read-only by convention — nostall copies them out
+(to the GPU, or into a CPU load's own memory) and never hands out a view of them.
+
+Memory given back is reused only after every copy that reads it has finished:
+copies register their CUDA event with :meth:`Block.fence`, and a dropped block's
+range waits, *outside* the pool's lock, for those events before it is carved again.
 """
 
 from __future__ import annotations
@@ -27,19 +34,19 @@ import logging
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from nostall.errors import ClosedError, DeviceError, PoolExhausted
+from nostall.errors import ArgumentError, BusyError, ClosedError, DeviceError, PoolExhausted
 from nostall.memory.host import (
     HostArena,
     cuda_available,
     hugepage_bytes,
     memory_available,
+    memory_limit,
     round_up,
 )
 
@@ -63,7 +70,7 @@ def size_class(nbytes: int) -> int:
     True
     """
     if nbytes <= 0:
-        raise ValueError(f"block size must be positive, got {nbytes}")
+        raise ArgumentError(f"block size must be positive, got {nbytes}")
     if nbytes <= _SMALL:
         return round_up(nbytes, GRANULE)
     step = max(GRANULE, (1 << (nbytes.bit_length() - 1)) // 8)
@@ -77,9 +84,9 @@ class PoolStats:
     Attributes:
         capacity: the byte budget (the reserved mapping).
         pinned: bytes page-locked so far (grows while the background thread pins).
-        in_use: bytes of blocks held by a user or a live lease (rounded sizes).
+        in_use: bytes of blocks someone holds (rounded sizes).
         cached: bytes of idle cached blocks (evictable).
-        free: bytes in no block.
+        free: bytes in no block (including ranges still waiting for a copy to end).
         largest_free: the largest contiguous free run.
         requested: bytes actually asked for by live and cached blocks (before rounding).
         blocks: live and cached blocks.
@@ -112,23 +119,20 @@ class PoolStats:
 class Block:
     """A contiguous range of the pool: ``[offset, offset + size)`` of its arena.
 
-    Owned by whoever allocated it until :meth:`release`; after release, a cached
-    block's bytes belong to the pool (readable again via :meth:`PinnedPool.lookup`).
-    ``event`` is the CUDA event of the last copy that reads the block: the pool
-    waits on it before the memory is handed to anyone else.
+    Held by whoever allocated or looked it up until :meth:`release`. Views from
+    :attr:`tensor` and :meth:`view` are valid while the block is held; the holder
+    that allocated it fills it, later holders only read it.
     """
 
     __slots__ = (
         "__weakref__",
+        "_events",
         "_pool",
-        "event",
         "holders",
         "key",
         "last_used",
-        "leases",
         "nbytes",
         "offset",
-        "payload",
         "size",
     )
 
@@ -138,10 +142,8 @@ class Block:
         self.size = size
         self.nbytes = nbytes
         self.key = key
-        self.payload: Any = None
-        self.event: Any = None
+        self._events: list[Any] = []
         self.holders = 1
-        self.leases = 0
         self.last_used = time.monotonic()
 
     @property
@@ -150,7 +152,7 @@ class Block:
 
     @property
     def tensor(self) -> torch.Tensor:
-        """uint8 view of the block (no lease: valid while the block is held)."""
+        """uint8 view of the block, valid while the block is held."""
         return self._pool.arena.tensor[self.offset : self.offset + self.size]
 
     def view(self) -> memoryview:
@@ -162,20 +164,15 @@ class Block:
         for a, b in self._pool.arena.split(self.offset + start, self.offset + end):
             yield a - self.offset, b - self.offset
 
-    def lease_tensor(self) -> torch.Tensor:
-        """A uint8 CPU tensor over the block that keeps it from eviction while alive.
+    def fence(self, event: Any) -> None:
+        """Record a copy that reads the block: its memory is not reused before ``event``
+        (a CUDA event recorded after the copy) has completed."""
+        self._pool._fence(self, event)
 
-        Every view derived from it holds the lease too; the block becomes evictable
-        (if cached) once the last such tensor is garbage.
-        """
-        mv = self.view()
-        t = (
-            torch.frombuffer(mv, dtype=torch.uint8)
-            if self.size
-            else torch.empty(0, dtype=torch.uint8)
-        )
-        self._pool._lease(self, mv)
-        return t
+    def invalidate(self) -> None:
+        """Never serve these bytes from the cache (the read into the block failed or was
+        cut short): on release the block is freed instead of cached."""
+        self._pool._invalidate(self)
 
     def release(self) -> None:
         """Give the block back: cached blocks stay readable, others become free."""
@@ -184,8 +181,65 @@ class Block:
     def __repr__(self) -> str:
         return (
             f"Block(offset={self.offset}, size={self.size}, nbytes={self.nbytes}, "
-            f"key={self.key!r}, holders={self.holders}, leases={self.leases})"
+            f"key={self.key!r}, holders={self.holders})"
         )
+
+
+class _Pinning:
+    """The background pin thread's state; shared with the pool, never holding it, so a
+    dropped pool can be finalised while pinning is still running."""
+
+    def __init__(self, arena: HostArena, register: bool, device: int | None):
+        self.arena, self.register, self.device = arena, register, device
+        self.cond = threading.Condition()
+        self.upto = 0  # slabs [0, upto) are touched (and registered)
+        self.error: BaseException | None = None
+        self.stopped = False
+
+    def run(self) -> None:
+        try:
+            if self.register and self.device is not None:
+                # This thread's registrations go through this GPU's context, not GPU 0's.
+                torch.cuda.set_device(self.device)
+            for i in range(self.arena.num_segments):
+                with self.cond:
+                    if self.stopped:
+                        return
+                self.arena.pin_segment(i, register=self.register)
+                with self.cond:
+                    self.upto = i + 1
+                    self.cond.notify_all()
+        except BaseException as e:  # surfaced to whoever waits on pinning
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+            log.exception("pinning the pool failed")
+
+    def wait(self, upto: int, timeout: float | None) -> bool:
+        with self.cond:
+            ok = self.cond.wait_for(
+                lambda: self.upto >= upto or self.error is not None or self.stopped, timeout
+            )
+            if self.error is not None:
+                raise DeviceError(
+                    f"pinning the pool failed: {type(self.error).__name__}: {self.error}"
+                ) from self.error
+            return ok and self.upto >= upto
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+
+
+def _teardown(pinning: _Pinning, thread: threading.Thread | None, arena: HostArena) -> None:
+    # Runs from close(), when a pool is garbage-collected, and at interpreter exit
+    # (weakref.finalize): a daemon thread still inside cudaHostRegister while CUDA tears
+    # down aborts the process ("terminate called without an active exception").
+    pinning.stop()
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()
+    arena.close()
 
 
 class PinnedPool:
@@ -196,8 +250,16 @@ class PinnedPool:
     registration); :meth:`wait_pinned` waits for it. Without CUDA (or with
     ``pin=False``) the same pool hands out page-aligned pageable memory.
 
-    The pool refuses a budget beyond the memory the OS reports available, so a
-    mis-sized pool fails with a clear error instead of an OOM kill.
+    One pool serves every GPU of the process: the pages are registered as
+    *portable*, so copies to any GPU run at link speed from them. ``device`` names
+    the GPU whose CUDA context does the registering (default: the current one):
+    give the GPU your process works on, so pinning creates no context on GPU 0.
+
+    The pool refuses a budget beyond the memory this process can have (its
+    container's cgroup limit, else the machine's), with :class:`~nostall.ArgumentError`,
+    and logs a warning when the budget exceeds what the OS reports available now.
+    A pool that is garbage-collected, or still open at interpreter exit, stops its
+    pin thread and unregisters its memory.
 
     >>> pool = PinnedPool(256 << 20)
     >>> block = pool.allocate(100 << 20)
@@ -210,76 +272,51 @@ class PinnedPool:
         self,
         capacity: int,
         *,
+        device: str | torch.device | int | None = None,
         slab_bytes: int = 1 << 30,
         pin: bool | None = None,
         evict: bool = True,
         background: bool = True,
     ):
-        if capacity <= 0:
-            raise ValueError(f"pool capacity must be positive, got {capacity}")
-        if slab_bytes <= 0 or slab_bytes % GRANULE:
-            raise ValueError(f"slab_bytes={slab_bytes} must be a positive multiple of {GRANULE}")
-        capacity = round_up(capacity, GRANULE)
-        available = memory_available()
-        if available is not None and capacity > available:
-            raise ValueError(
-                f"pool capacity {capacity / 1e9:.2f} GB exceeds the {available / 1e9:.2f} GB of "
-                "memory the OS reports available; pinning it would invite the OOM killer. "
-                "Give a smaller capacity."
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+            raise ArgumentError(
+                f"pool capacity must be a positive number of bytes, got {capacity!r}"
             )
+        if slab_bytes <= 0 or slab_bytes % GRANULE:
+            raise ArgumentError(f"slab_bytes={slab_bytes} must be a positive multiple of {GRANULE}")
+        capacity = round_up(capacity, GRANULE)
+        _check_capacity(capacity)
         self.capacity = capacity
         self.auto_evict = evict
         self.pin = cuda_available() if pin is None else pin
-        self.arena = HostArena(capacity, segment_bytes=slab_bytes)
+        self.device = _device_index(device) if self.pin else None
+        self.arena = HostArena(capacity, segment_bytes=slab_bytes, device=self.device)
         self._lock = threading.Lock()
+        self._released = threading.Condition(self._lock)  # notified when a holder lets go
         self._free: list[tuple[int, int]] = [(0, capacity)]  # (offset, size), address order
+        self._fenced: list[tuple[list[Any], int, int]] = []  # dropped, a copy may still read
         self._blocks: set[Block] = set()
         self._cache: dict[Hashable, Block] = {}
-        self._unleased: deque[Block] = deque()
-        self._closed = False
-        self._pinned_upto = 0  # slabs [0, _pinned_upto) are touched (and registered)
-        self._pin_cond = threading.Condition(self._lock)
-        self._pin_error: BaseException | None = None
+        self._state = "open"  # open → closing → closed
+        self._pinning = _Pinning(self.arena, self.pin, self.device)
         self._pinner: threading.Thread | None = None
         if background:
             self._pinner = threading.Thread(
-                target=self._pin_all, name="nostall-pool-pin", daemon=True
+                target=self._pinning.run, name="nostall-pool-pin", daemon=True
             )
+        self._finalizer = weakref.finalize(self, _teardown, self._pinning, self._pinner, self.arena)
+        if self._pinner is not None:
             self._pinner.start()
         else:
-            self._pin_all()
+            self._pinning.run()
 
     # ---- level 1: slabs ----------------------------------------------------------
 
-    def _pin_all(self) -> None:
-        try:
-            for i in range(self.arena.num_segments):
-                with self._lock:
-                    if self._closed:
-                        return
-                self.arena.pin_segment(i, register=self.pin)
-                with self._pin_cond:
-                    self._pinned_upto = i + 1
-                    self._pin_cond.notify_all()
-        except BaseException as e:  # surfaced to whoever waits on pinning
-            with self._pin_cond:
-                self._pin_error = e
-                self._pin_cond.notify_all()
-            log.exception("pinning the pool failed")
-
     def wait_pinned(self, nbytes: int | None = None, timeout: float | None = None) -> bool:
         """Wait until the first ``nbytes`` (default: all) of the pool are pinned."""
-        upto = self.arena.num_segments if nbytes is None else -(-nbytes // self.arena.segment_bytes)
-        with self._pin_cond:
-            ok = self._pin_cond.wait_for(
-                lambda: self._pinned_upto >= upto or self._pin_error is not None or self._closed,
-                timeout,
-            )
-            if self._pin_error is not None:
-                raise DeviceError(
-                    f"pinning the pool failed: {type(self._pin_error).__name__}: {self._pin_error}"
-                ) from self._pin_error
-            return ok and self._pinned_upto >= upto
+        n = self.arena.num_segments
+        upto = n if nbytes is None else min(n, -(-nbytes // self.arena.segment_bytes))
+        return self._pinning.wait(upto, timeout)
 
     # ---- level 2: blocks ---------------------------------------------------------
 
@@ -292,24 +329,34 @@ class PinnedPool:
         idle cached blocks (when ``evict`` is on).
         """
         size = size_class(nbytes)
-        with self._lock:
-            self._check_open()
-            self._drain()
-            offset = self._carve(size)
-            while offset is None and self.auto_evict and self._evict_one(size):
+        while True:
+            with self._lock:
+                self._check_open()
+                self._reclaim()
                 offset = self._carve(size)
-            if offset is None:
-                raise self._exhausted(size, nbytes)
-            block = Block(self, offset, size, nbytes, key)
-            self._blocks.add(block)
+                while offset is None and self.auto_evict and self._evict_one(size):
+                    offset = self._carve(size)
+                if offset is not None:
+                    block = Block(self, offset, size, nbytes, key)
+                    self._blocks.add(block)
+                    break
+                pending = [e for events, _, _ in self._fenced for e in events]
+                if not pending:
+                    raise self._exhausted(size, nbytes)
+            # Ranges dropped while copies still read them: wait for those copies with
+            # the lock released (another thread may be releasing or copying), then retry.
+            for e in pending:
+                e.synchronize()
         self.wait_pinned(offset + size)
         return block
 
     def lookup(self, key: Hashable) -> Block | None:
-        """The cached block under ``key``, now held by the caller, or ``None``."""
+        """The cached block under ``key``, now held by the caller, or ``None``.
+
+        The caller reads it (copies it out) and releases it; it must not write it.
+        """
         with self._lock:
             self._check_open()
-            self._drain()
             block = self._cache.get(key)
             if block is None:
                 return None
@@ -320,11 +367,12 @@ class PinnedPool:
     def evict(self, key: Hashable | None = None) -> int:
         """Drop idle cached blocks (all, or the one under ``key``); returns bytes freed.
 
-        Blocks that are held or leased are skipped: their users still read them.
+        Blocks that are held are skipped: their users still read them.
         """
         with self._lock:
-            self._drain()
-            victims = [b for k, b in self._cache.items() if (key is None or k == key) and _idle(b)]
+            victims = [
+                b for k, b in self._cache.items() if (key is None or k == key) and b.holders == 0
+            ]
             for b in victims:
                 self._drop(b)
             return sum(b.size for b in victims)
@@ -335,50 +383,70 @@ class PinnedPool:
 
     def stats(self) -> PoolStats:
         with self._lock:
-            self._drain()
-            free = sum(s for _, s in self._free)
-            cached = sum(b.size for b in self._blocks if _idle(b))
+            self._reclaim()
+            free = sum(s for _, s in self._free) + sum(s for _, _, s in self._fenced)
+            cached = sum(b.size for b in self._blocks if b.holders == 0)
             in_use = sum(b.size for b in self._blocks) - cached
-            return PoolStats(
-                capacity=self.capacity,
-                pinned=self.arena.pinned_bytes if self.pin else 0,
-                in_use=in_use,
-                cached=cached,
-                free=free,
-                largest_free=max((s for _, s in self._free), default=0),
-                requested=sum(b.nbytes for b in self._blocks),
-                blocks=len(self._blocks),
-                hugepages=hugepage_bytes(self.arena.address, self.capacity)
-                if not self._closed
-                else None,
-            )
+            largest = max((s for _, s in self._free), default=0)
+            requested = sum(b.nbytes for b in self._blocks)
+            blocks = len(self._blocks)
+            closed = self._state == "closed"
+        pinned = self.arena.pinned_bytes if self.pin and not closed else 0
+        # /proc/self/smaps is read without the lock: it takes milliseconds per GB mapped.
+        huge = None if closed else hugepage_bytes(self.arena.address, self.capacity)
+        return PoolStats(
+            capacity=self.capacity,
+            pinned=pinned,
+            in_use=in_use,
+            cached=cached,
+            free=free,
+            largest_free=largest,
+            requested=requested,
+            blocks=blocks,
+            hugepages=huge,
+        )
 
     # ---- lifecycle ---------------------------------------------------------------
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._state != "open"
 
-    def close(self) -> None:
-        """Stop pinning, wait for pending copies, unregister the memory. Idempotent.
+    def close(self, timeout: float | None = 60.0) -> None:
+        """Stop pinning, wait for held blocks and pending copies, unregister the memory.
 
-        CPU tensors leased from the pool stay valid (as pageable memory) until they
-        are garbage; device copies in flight are waited for first.
+        New allocations and lookups are refused from the call on. Blocks still held
+        by other threads' loads are waited for, up to ``timeout`` seconds; if some are
+        still held then, :class:`~nostall.BusyError` names them and the memory stays
+        registered (call ``close`` again later). Idempotent once it has succeeded.
         """
-        with self._pin_cond:
-            if self._closed:
+        with self._lock:
+            if self._state == "closed":
                 return
-            self._closed = True
-            self._pin_cond.notify_all()
+            self._state = "closing"
+        self._pinning.stop()
         if self._pinner is not None:
             self._pinner.join()
-        with self._lock:
-            for b in list(self._blocks):
-                _wait(b)
+        with self._released:
+            if not self._released.wait_for(
+                lambda: all(b.holders == 0 for b in self._blocks), timeout
+            ):
+                held = [b for b in self._blocks if b.holders]
+                raise BusyError(
+                    f"cannot close the pinned pool: {len(held)} block(s) still held after "
+                    f"{timeout} s ({sum(b.size for b in held) / 1e9:.3f} GB, e.g. {held[0]!r}); "
+                    "release them (let in-flight loads finish) and call close() again"
+                )
+            events = [e for b in self._blocks for e in b._events]
+            events += [e for evs, _, _ in self._fenced for e in evs]
             self._blocks.clear()
             self._cache.clear()
+            self._fenced.clear()
             self._free = []
-        self.arena.close()
+            self._state = "closed"
+        for e in events:
+            e.synchronize()  # no copy may read the pages once they are unregistered
+        self._finalizer()
 
     def __enter__(self) -> PinnedPool:
         return self
@@ -390,13 +458,13 @@ class PinnedPool:
         s = self.stats()
         return (
             f"PinnedPool(capacity={s.capacity}, pinned={s.pinned}, in_use={s.in_use}, "
-            f"cached={s.cached}, free={s.free}, closed={self._closed})"
+            f"cached={s.cached}, free={s.free}, state={self._state})"
         )
 
     # ---- internals (called with self._lock held unless noted) ---------------------
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._state != "open":
             raise ClosedError("the pinned pool is closed; create a new PinnedPool")
 
     def _carve(self, size: int) -> int | None:
@@ -428,22 +496,51 @@ class PinnedPool:
             free[i - 1] = (free[i - 1][0], free[i - 1][1] + free[i][1])
             del free[i]
 
+    def _reclaim(self) -> None:
+        # Event.query() does not block: ranges whose copies have ended become free.
+        still = []
+        for events, off, size in self._fenced:
+            events = [e for e in events if not e.query()]
+            if events:
+                still.append((events, off, size))
+            else:
+                self._give_back(off, size)
+        self._fenced = still
+
     def _evict_one(self, size: int) -> bool:
-        idle = [b for b in self._cache.values() if _idle(b)]
+        idle = [b for b in self._cache.values() if b.holders == 0]
         if not idle:
             return False
         victim = min(idle, key=lambda b: b.last_used)
         log.info("evicting cached block %r to make room for %d bytes", victim.key, size)
         self._drop(victim)
+        self._reclaim()
         return True
 
     def _drop(self, block: Block) -> None:
-        # A copy may still read the block; its bytes can only be reused after it ends.
-        _wait(block)
         if block.key is not None and self._cache.get(block.key) is block:
             del self._cache[block.key]
         self._blocks.discard(block)
-        self._give_back(block.offset, block.size)
+        events, block._events = block._events, []
+        if events:
+            # A copy may still read the block: its bytes are reused only after it ends.
+            self._fenced.append((events, block.offset, block.size))
+        else:
+            self._give_back(block.offset, block.size)
+
+    def _fence(self, block: Block, event: Any) -> None:
+        if event is None:
+            return
+        with self._lock:
+            # Drop finished events so a block copied out thousands of times stays small.
+            block._events = [e for e in block._events if not e.query()]
+            block._events.append(event)
+
+    def _invalidate(self, block: Block) -> None:
+        with self._lock:
+            if block.key is not None and self._cache.get(block.key) is block:
+                del self._cache[block.key]
+            block.key = None
 
     def _release(self, block: Block) -> None:
         with self._lock:
@@ -453,32 +550,18 @@ class PinnedPool:
                 raise RuntimeError(f"{block!r} released more often than it was held")
             block.holders -= 1
             block.last_used = time.monotonic()
-            self._drain()
             if block.holders:
                 return
-            if block.key is not None and not self._closed:
+            self._released.notify_all()
+            if block.key is not None and self._state == "open":
                 old = self._cache.get(block.key)
                 if old is not None and old is not block:
                     # A newer read of the same checkpoint wins; the old copy goes once idle.
                     old.key = None
-                    if _idle(old):
+                    if old.holders == 0:
                         self._drop(old)
                 self._cache[block.key] = block
-            elif block.leases == 0:
-                self._drop(block)
-
-    def _lease(self, block: Block, anchor: memoryview) -> None:
-        with self._lock:
-            block.leases += 1
-        # The finalizer may run inside any allocation (cyclic GC), even while this
-        # thread holds the pool lock: it only queues; locked calls drain the queue.
-        weakref.finalize(anchor, self._unleased.append, block)
-
-    def _drain(self) -> None:
-        while self._unleased:
-            block = self._unleased.popleft()
-            block.leases -= 1
-            if block in self._blocks and _idle(block) and block.key is None:
+            else:
                 self._drop(block)
 
     def _exhausted(self, size: int, nbytes: int) -> PoolExhausted:
@@ -487,7 +570,7 @@ class PinnedPool:
         hint = (
             "evict cached checkpoints with pool.evict() or release blocks you hold"
             if not self.auto_evict
-            else "release blocks or CPU tensors you still hold, or create a larger pool"
+            else "release blocks you still hold, or create a larger pool"
         )
         return PoolExhausted(
             f"pinned pool cannot hold {nbytes / 1e9:.3f} GB (rounded to {size / 1e9:.3f} GB): "
@@ -500,11 +583,41 @@ class PinnedPool:
         )
 
 
-def _idle(block: Block) -> bool:
-    return block.holders == 0 and block.leases == 0
+def _device_index(device: str | torch.device | int | None) -> int | None:
+    """The CUDA device index that registers the pool's memory (no context is created)."""
+    if not torch.cuda.is_available():
+        return None
+    if device is None:
+        return torch.cuda.current_device()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ArgumentError(f"device={device!r} is not a device; use 'cuda[:N]' or an index") from e
+    if dev.type != "cuda":
+        raise ArgumentError(f"device={device!r}: pinned memory is registered with a CUDA device")
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if not 0 <= index < torch.cuda.device_count():
+        raise DeviceError(
+            f"device cuda:{index} does not exist; {torch.cuda.device_count()} GPU(s) visible"
+        )
+    return index
 
 
-def _wait(block: Block) -> None:
-    if block.event is not None:
-        block.event.synchronize()
-        block.event = None
+def _check_capacity(capacity: int) -> None:
+    limit, source = memory_limit()
+    if limit is not None and capacity > limit:
+        where = "this container's cgroup limit" if source == "cgroup" else "the machine's memory"
+        raise ArgumentError(
+            f"pool capacity {capacity / 1e9:.2f} GB exceeds {where} ({limit / 1e9:.2f} GB); "
+            "pinned memory cannot be swapped, so the process would be killed. Give a smaller "
+            "capacity."
+        )
+    available = memory_available()
+    if available is not None and capacity > available:
+        log.warning(
+            "pool capacity %.2f GB exceeds the %.2f GB the OS reports available now; "
+            "pinning will push out page cache and other processes' memory (on a VM whose "
+            "memory grows on demand this is expected)",
+            capacity / 1e9,
+            available / 1e9,
+        )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from nostall.errors import ArgumentError
 from nostall.memory.host import HostArena
 
 __all__ = ["StagingRing"]
@@ -32,14 +33,15 @@ class StagingRing:
     >>> ring.close()
     """
 
-    def __init__(self, *, slots: int, slot_bytes: int, pin: bool):
+    def __init__(self, *, slots: int, slot_bytes: int, pin: bool, device: int | None = None):
         if slots < 2:
-            raise ValueError(f"a staging ring needs at least 2 slots, got {slots}")
+            raise ArgumentError(f"a staging ring needs at least 2 slots, got {slots}")
         self.slots = slots
         self.slot_bytes = slot_bytes
         # One registration for the whole ring: a copy never spans two, and one
         # cudaHostRegister of a few hundred MiB takes milliseconds.
-        self.arena = HostArena(slots * slot_bytes, segment_bytes=slots * slot_bytes)
+        # ``device``: whose CUDA context registers the ring (portable: every GPU copies from it).
+        self.arena = HostArena(slots * slot_bytes, segment_bytes=slots * slot_bytes, device=device)
         self.arena.pin_segment(0, register=pin)
         self.pinned = self.arena.is_registered(0)
         self._cond = threading.Condition()

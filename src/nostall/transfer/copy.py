@@ -1,20 +1,30 @@
-"""Host → device copies on a dedicated copy stream.
+"""Host → target copies: on a GPU's copy stream, or plain memory copies for CPU loads.
 
 The compute stream keeps running whatever it runs; weights move on their own
-stream, and the consumer's stream waits for them once (:meth:`CopyEngine.handoff`).
+stream, and the consumer's stream waits for them once (:meth:`CopyEngine.finish`).
 One stream is enough: on our H200 a second H2D stream added no bandwidth
 (54.9 vs 54.8 GB/s) because one copy engine already saturates the link.
+
+:class:`Transfer` issues one load's copies as its chunks land in host memory,
+following the :class:`~nostall.transfer.plan.LoadPlan`: unchanged bytes straight
+into the target buffer, tensors that change dtype gathered into a scratch tensor
+on the target device and cast by one kernel once complete.
 """
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import torch
 
-__all__ = ["CopyEngine"]
+from nostall.transfer.plan import Cast, Copy, LoadPlan, Slot
+
+__all__ = ["CopyEngine", "HostCopy", "Transfer"]
 
 
 class CopyEngine:
-    """Issues non-blocking H2D copies on one device's copy stream and times them.
+    """Issues non-blocking H2D copies (and casts) on one device's copy stream.
 
     Owned by a :class:`~nostall.transfer.loader.Loader`; one engine per device.
     Every copy returns the event recorded after it: the source host memory may
@@ -47,6 +57,17 @@ class CopyEngine:
         self._last = event
         return event
 
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """Device bytes for gathering one tensor, allocated on the copy stream: freed
+        after its cast, the caching allocator hands it only to later copy-stream work."""
+        with torch.cuda.stream(self.stream):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def cast(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` on the copy stream, after the copies that filled ``src``."""
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src)
+
     def finish(self) -> float:
         """Wait for every copy of the batch; make the current stream wait on them too.
 
@@ -57,5 +78,96 @@ class CopyEngine:
         if self._first is None or self._last is None:
             self.stream.synchronize()
             return 0.0
-        self._last.synchronize()
+        self.stream.synchronize()  # the last casts run after the last copy's event
         return self._first.elapsed_time(self._last) / 1e3
+
+    def abort(self) -> None:
+        """Wait for everything issued, so no copy still reads host memory given back."""
+        self.stream.synchronize()
+
+
+class HostCopy:
+    """The CPU counterpart of :class:`CopyEngine`: copies run at once, on this thread.
+
+    Used when a CPU load goes through a pool: the caller gets its own memory, never a
+    view of the pool's cached bytes, so nothing it does can change what a later hit
+    serves.
+    """
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self._seconds = 0.0
+
+    def begin(self) -> None:
+        self._seconds = 0.0
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        t = time.perf_counter()
+        dst.copy_(src)
+        self._seconds += time.perf_counter() - t
+
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def cast(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.copy(dst, src)
+
+    def finish(self) -> float:
+        return self._seconds
+
+    def abort(self) -> None:
+        pass
+
+
+class Transfer:
+    """The copies of one load into its flat target buffer ``flat`` (uint8).
+
+    :meth:`land` is called on one thread, once per host range, as the range's bytes
+    become readable; it returns the event of its last copy (``None`` on the CPU): the
+    host range may be overwritten or given back once that event has completed.
+    """
+
+    def __init__(self, plan: LoadPlan, engine: CopyEngine | HostCopy, flat: torch.Tensor):
+        self.plan, self.engine, self.flat = plan, engine, flat
+        # slot offset -> (scratch bytes, bytes still missing)
+        self._gather: dict[int, list[Any]] = {}
+
+    def begin(self) -> None:
+        self.engine.begin()
+
+    def land(self, i: int, a: int, b: int, host: torch.Tensor) -> Any:
+        """Copy file ``i``'s bytes ``[a, b)``, which are in ``host`` (uint8, ``b - a`` long)."""
+        event = None
+        for p in self.plan.pieces(i, a, b):
+            src = host[p.lo - a : p.hi - a]
+            if isinstance(p, Copy):
+                event = self.engine.copy(self.flat[p.offset : p.offset + p.hi - p.lo], src)
+            else:
+                event = self._gather_piece(p, src)
+        return event
+
+    def _gather_piece(self, p: Cast, src: torch.Tensor) -> Any:
+        s: Slot = p.slot
+        entry = self._gather.get(s.offset)
+        if entry is None:
+            entry = self._gather[s.offset] = [self.engine.scratch(s.end - s.begin), s.end - s.begin]
+        scratch = entry[0]
+        event = self.engine.copy(scratch[p.lo - s.begin : p.hi - s.begin], src)
+        entry[1] -= p.hi - p.lo
+        if entry[1] == 0:
+            # Stream order: the cast runs after every copy into the scratch bytes.
+            dst = self.flat[s.offset : s.offset + s.target_bytes].view(s.target).view(s.shape)
+            self.engine.cast(dst, scratch.view(s.source).view(s.shape))
+            del self._gather[s.offset]
+        return event
+
+    def finish(self) -> float:
+        if self._gather:
+            missing = ", ".join(f"offset {k}" for k in list(self._gather)[:3])
+            raise AssertionError(f"tensors never completed their gather: {missing}")
+        return self.engine.finish()
+
+    def abort(self) -> None:
+        self._gather.clear()
+        self.engine.abort()

@@ -1,19 +1,22 @@
-"""The load pipeline: storage → host (pool block or staging ring) → device views.
+"""The load pipeline: storage → host (pool block, staging ring or own memory) → target.
 
-Three paths, one shape:
+Three routes, one shape (a :class:`~nostall.transfer.plan.LoadPlan` says where every
+byte goes; a :class:`~nostall.transfer.copy.Transfer` copies it there):
 
 * **pool**: bytes land in a pinned pool block and stay there, cached under the
   files' identity; a later load of the same files is a *memory-cache hit*: one
-  host→device copy per slab, nothing read.
+  host→device copy per slab, nothing read. The cached bytes are never handed out:
+  GPU loads copy them to the device, CPU loads into memory of their own (a memcpy,
+  the price of a cache that no caller can change).
 * **ring**: a GPU load without a pool streams through the loader's small pinned
   staging ring (pinned once, when the loader first loads to a GPU).
 * **host**: a CPU load without a pool reads into fresh page-aligned memory that
   the returned tensors own.
 
 Reader threads fill chunks (``chunk_bytes``, read in ``block_bytes`` system calls);
-the calling thread issues each chunk's copy on the copy stream as soon as the
-chunk lands, so reading and copying overlap. Tensors are views into one flat
-device allocation per checkpoint, at their safetensors offsets.
+the calling thread issues each chunk's copies as soon as the chunk lands, so
+reading and copying overlap. Tensors are views into one flat target allocation per
+checkpoint.
 """
 
 from __future__ import annotations
@@ -21,28 +24,27 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from nostall.checkpoint import Checkpoint, TensorEntry, resolve, to_torch
-from nostall.errors import CheckpointError, ClosedError, DeviceError
+from nostall.checkpoint import Checkpoint, resolve
+from nostall.errors import ArgumentError, ClosedError, DeviceError
 from nostall.io.backends import open_backend
 from nostall.io.base import DEFAULT_BLOCK_BYTES, ReadBackend
 from nostall.io.reader import ParallelReader, ReadRequest
-from nostall.memory.host import HostArena, round_up
-from nostall.memory.pool import PinnedPool
+from nostall.memory.host import PAGE, HostArena, release_pages, round_up
+from nostall.memory.pool import Block, PinnedPool
 from nostall.memory.ring import StagingRing
-from nostall.transfer.copy import CopyEngine
+from nostall.transfer.copy import CopyEngine, HostCopy, Transfer
+from nostall.transfer.plan import HOST_ALIGN, LoadPlan
 
 __all__ = ["LoadResult", "LoadStats", "Loader", "resolve_device"]
 
-_ALIGN = 4096  # O_DIRECT granularity; every file starts at such an offset in host memory
-_DEV_ALIGN = 256  # keeps each tensor's alignment inside the flat device buffer
 BUFFERED_BLOCK_BYTES = 8 << 20
-_CASTABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_READ_MODES = ("auto", "buffered", "direct")
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,10 @@ class LoadStats:
         read_mode: the read strategy used (``"buffered"``, ``"direct"``), ``"-"`` for a hit.
         nbytes: tensor bytes loaded.
         read_s: first read issued → last byte landed in host memory.
-        h2d_s: first copy started → last copy finished, on the copy stream.
-        cast_s: the dtype cast on the device, if asked for.
+        h2d_s: first copy started → last copy finished, on the copy stream (for a CPU
+            load through a pool: the copy into the caller's own memory). Casts of
+            tensors that change dtype run on the copy stream, inside this time.
+        cast_s: the dtype cast after the read, for CPU loads without a pool.
         total_s: the whole call, headers included (and module assembly, for models).
         build_s: module construction on ``meta`` and tensor adoption (models only).
     """
@@ -99,6 +103,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
         return dev
     if dev.type != "cuda":
         raise DeviceError(f"device {dev} is not supported; nostall loads to 'cpu' or 'cuda[:N]'")
+    if dev.index is not None and dev.index < 0:
+        raise DeviceError(f"device {device!r} has a negative index; use 'cuda[:N]' with N >= 0")
     if not torch.cuda.is_available():
         raise DeviceError(
             f"device {dev} requested but this torch build or machine has no usable CUDA GPU; "
@@ -110,31 +116,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
             f"device cuda:{index} does not exist; {torch.cuda.device_count()} GPU(s) visible"
         )
     return torch.device("cuda", index)
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Where each file goes: its host offset (whole file from byte 0, so file and
-    host offsets share alignment) and its data section's device offset."""
-
-    host_base: tuple[int, ...]
-    host_span: tuple[int, ...]
-    dev_base: tuple[int, ...]
-    host_bytes: int
-    dev_bytes: int
-
-    @staticmethod
-    def of(ckpt: Checkpoint) -> _Layout:
-        hb, hs, db = [], [], []
-        h = d = 0
-        for f in ckpt.files:
-            span = round_up(f.data_end, _ALIGN)
-            hb.append(h)
-            hs.append(span)
-            db.append(d)
-            h += span
-            d = round_up(d + f.data_bytes, _DEV_ALIGN)
-        return _Layout(tuple(hb), tuple(hs), tuple(db), max(h, _ALIGN), d)
 
 
 class Loader:
@@ -169,16 +150,22 @@ class Loader:
         ring_slots: int | None = None,
         ring_slot_bytes: int = 32 << 20,
     ):
-        if chunk_bytes <= 0 or chunk_bytes % _ALIGN:
-            raise ValueError(f"chunk_bytes={chunk_bytes} must be a positive multiple of {_ALIGN}")
-        if ring_slot_bytes <= 0 or ring_slot_bytes % _ALIGN:
-            raise ValueError(
-                f"ring_slot_bytes={ring_slot_bytes} must be a positive multiple of {_ALIGN}"
+        for name, value in (("chunk_bytes", chunk_bytes), ("ring_slot_bytes", ring_slot_bytes)):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or value <= 0
+                or value % HOST_ALIGN
+            ):
+                raise ArgumentError(f"{name}={value!r} must be a positive multiple of {HOST_ALIGN}")
+        if read_mode not in _READ_MODES:
+            raise ArgumentError(
+                f"read_mode={read_mode!r}; choose one of {', '.join(map(repr, _READ_MODES))}"
             )
-        if read_mode not in ("auto", "buffered", "direct"):
-            raise ValueError(f"read_mode={read_mode!r}; choose 'auto', 'buffered' or 'direct'")
         if block_bytes is None:
             block_bytes = DEFAULT_BLOCK_BYTES if read_mode == "direct" else BUFFERED_BLOCK_BYTES
+        if block_bytes <= 0 or block_bytes % HOST_ALIGN:
+            raise ArgumentError(f"block_bytes={block_bytes!r} must be a positive multiple of 4096")
         self.block_bytes = block_bytes
         self.chunk_bytes = chunk_bytes
         self.read_mode = read_mode
@@ -205,232 +192,146 @@ class Loader:
         """Load every tensor of ``source`` onto ``device``; see :func:`nostall.load_state_dict`.
 
         ``dtype`` may also map tensor names to dtypes (names not in it keep theirs):
-        ``load_model`` uses that to keep ``_keep_in_fp32_modules`` in float32.
+        ``load_model`` uses that to keep ``_keep_in_fp32_modules`` in float32. Only
+        tensors whose dtype changes are cast; the others are loaded as they are.
         """
         t0 = time.perf_counter()
         dev = resolve_device(device)
-        targets = (
-            dtype.values() if isinstance(dtype, Mapping) else [dtype] if dtype is not None else []
-        )
-        for d in targets:
-            if d not in _CASTABLE:
-                raise ValueError(f"dtype={d} is not a cast target; use one of {list(_CASTABLE)}")
         if pool is not None and pool.closed:
             raise ClosedError("the pinned pool passed to load() is closed")
         ckpt = source if isinstance(source, Checkpoint) else resolve(source)
-        entries = ckpt.entries()
-        dtypes = _torch_dtypes(ckpt, entries)
-        layout = _Layout.of(ckpt)
+        plan = LoadPlan(ckpt, dtype)
         with self._lock:
             if self._reader is None:
                 raise ClosedError("the loader is closed; create a new Loader")
-
-            def views(base: torch.Tensor) -> dict[str, torch.Tensor]:
-                # Views need the buffer, not its bytes: the paths build them while the
-                # copies are still in flight.
-                return _views(base, ckpt, layout, entries, dtypes, on_device=dev.type == "cuda")
-
             if pool is not None:
-                run = self._load_pool(ckpt, layout, dev, pool, views)
+                out = self._via_pool(plan, dev, pool)
             elif dev.type == "cuda":
-                run = self._load_ring(ckpt, layout, dev, views)
+                out = self._via_ring(plan, dev)
             else:
-                run = self._load_host(ckpt, layout, views)
-            tensors, read_s, h2d_s, scenario, path, mode = run
-        t_cast = time.perf_counter()
-        if dtype is not None:
-            tensors = _cast(tensors, dtype, dev)
-        cast_s = time.perf_counter() - t_cast if dtype is not None else 0.0
+                out = self._into_memory(plan)
         stats = LoadStats(
             source=ckpt.source,
             device=str(dev),
-            scenario=scenario,
-            path=path,
-            read_mode=mode,
+            scenario=out.scenario,
+            path=out.path,
+            read_mode=out.mode,
             nbytes=ckpt.nbytes,
-            num_tensors=len(entries),
-            read_s=read_s,
-            h2d_s=h2d_s,
-            cast_s=cast_s,
+            num_tensors=plan.num_tensors,
+            read_s=out.read_s,
+            h2d_s=out.h2d_s,
+            cast_s=out.cast_s,
             total_s=time.perf_counter() - t0,
         )
         metadata: dict[str, str] = {}
         for f in ckpt.files:
             metadata.update(f.metadata)
-        return LoadResult(tensors, stats, metadata, ckpt)
+        return LoadResult(out.tensors, stats, metadata, ckpt)
 
-    # ---- the three paths ---------------------------------------------------------
+    # ---- the three routes --------------------------------------------------------
 
-    def _load_pool(
-        self, ckpt: Checkpoint, layout: _Layout, dev: torch.device, pool: PinnedPool, views
-    ):
-        key = _identity(ckpt)
+    def _via_pool(self, plan: LoadPlan, dev: torch.device, pool: PinnedPool) -> _Outcome:
+        key = _identity(plan.checkpoint)
         block = pool.lookup(key)
-        engine = self._engine(dev) if dev.type == "cuda" else None
-        flat = _device_buffer(layout, dev) if engine else None
-        if block is not None:
-            try:
-                h2d_s = 0.0
-                if engine is not None:
-                    engine.begin()
-                    for i, f in enumerate(ckpt.files):
-                        lo = layout.host_base[i] + f.data_start
-                        for a, b in block.split(lo, lo + f.data_bytes):
-                            d = layout.dev_base[i] + a - lo
-                            block.event = engine.copy(flat[d : d + b - a], block.tensor[a:b])
-                    tensors = views(flat)
-                    h2d_s = engine.finish()
-                else:
-                    tensors = views(block.lease_tensor())
-            finally:
-                block.release()
-            return tensors, 0.0, h2d_s, "memory-cache hit", "pool", "-"
-        block = pool.allocate(layout.host_bytes, key=key)
+        hit = block is not None
+        if block is None:
+            block = pool.allocate(plan.host_bytes, key=key)
+        moves: Transfer | None = None
         ok = False
         try:
-            view = block.view()
-
-            def dest(i: int, a: int, b: int):
-                lo = layout.host_base[i]
-                return lambda cancel: view[lo + a : lo + b]
-
-            def host(i: int, a: int, b: int) -> torch.Tensor:
-                lo = layout.host_base[i]
-                return block.tensor[lo + a : lo + b]
-
-            cuts = [
-                [
-                    (a - layout.host_base[i], b - layout.host_base[i])
-                    for a, b in block.split(
-                        layout.host_base[i], layout.host_base[i] + layout.host_span[i]
-                    )
-                ]
-                for i in range(len(ckpt.files))
-            ]
-            early: list[dict[str, torch.Tensor]] = []
-            read_s, h2d_s, mode = self._stream(
-                ckpt,
-                layout,
-                cuts,
-                dest,
-                host,
-                engine,
-                flat,
-                None,
-                block,
-                on_submit=(lambda: early.append(views(flat))) if engine else None,
-            )
-            tensors = early[0] if early else views(block.lease_tensor())
+            # Inside the try: an out-of-memory here must still give the block back.
+            moves = Transfer(plan, self._engine(dev), _target_buffer(plan.target_bytes, dev))
+            if hit:
+                out = self._copy_block(plan, block, moves)
+            else:
+                out = self._read(plan, _BlockRoute(plan, block, self.chunk_bytes), moves)
+                out.path = "pool"
             ok = True
+            return out
+        except BaseException:
+            if moves is not None:
+                moves.abort()  # no copy may still read the block once it is released
+            raise
         finally:
-            if not ok:
-                block.key = None  # half-read bytes must never be served as a cache hit
+            if not ok and not hit:
+                block.invalidate()  # half-read bytes must never be served as a cache hit
             block.release()
-        return tensors, read_s, h2d_s, "read", "pool", mode
 
-    def _load_ring(self, ckpt: Checkpoint, layout: _Layout, dev: torch.device, views):
-        ring = self._staging_ring()
+    def _copy_block(self, plan: LoadPlan, block: Block, moves: Transfer) -> _Outcome:
+        moves.begin()
+        for i, f in enumerate(plan.checkpoint.files):
+            base = plan.host_base[i]
+            # One copy never spans two registrations (CUDA refuses it).
+            for a, b in block.split(base + f.data_start, base + f.data_end):
+                block.fence(moves.land(i, a - base, b - base, block.tensor[a:b]))
+        tensors = plan.views(moves.flat)
+        return _Outcome(tensors, "memory-cache hit", "pool", "-", h2d_s=moves.finish())
+
+    def _via_ring(self, plan: LoadPlan, dev: torch.device) -> _Outcome:
+        ring = self._staging_ring(dev)
         ring.reset()
-        engine = self._engine(dev)
-        flat = _device_buffer(layout, dev)
-        slot = ring.slot_bytes
-        seqs: dict[tuple[int, int], int] = {}
-        cuts = []
-        for i in range(len(ckpt.files)):
-            pieces = []
-            for a in range(0, layout.host_span[i], slot):
-                seqs[(i, a)] = len(seqs)
-                pieces.append((a, min(a + slot, layout.host_span[i])))
-            cuts.append(pieces)
-
-        def dest(i: int, a: int, b: int):
-            seq = seqs[(i, a)]
-            return lambda cancel: ring.acquire(seq, cancel)[: b - a]
-
-        def host(i: int, a: int, b: int) -> torch.Tensor:
-            o = ring.offset(seqs[(i, a)])
-            return ring.arena.tensor[o : o + b - a]
-
-        def issued(i: int, a: int, event: Any) -> None:
-            ring.issued(seqs[(i, a)], event)
-
-        early: list[dict[str, torch.Tensor]] = []
+        moves = Transfer(plan, self._engine(dev), _target_buffer(plan.target_bytes, dev))
         try:
-            read_s, h2d_s, mode = self._stream(
-                ckpt,
-                layout,
-                cuts,
-                dest,
-                host,
-                engine,
-                flat,
-                issued,
-                None,
-                on_submit=lambda: early.append(views(flat)),
-            )
+            out = self._read(plan, _RingRoute(plan, ring), moves)
         finally:
             ring.drain()
-        return early[0], read_s, h2d_s, "read", "ring", mode
+        out.path = "ring"
+        return out
 
-    def _load_host(self, ckpt: Checkpoint, layout: _Layout, views):
-        arena = HostArena(layout.host_bytes, segment_bytes=round_up(layout.host_bytes, _ALIGN))
-        view = arena.view(0, arena.nbytes)
-
-        def dest(i: int, a: int, b: int):
-            lo = layout.host_base[i]
-            return lambda cancel: view[lo + a : lo + b]
-
-        cuts = [_chunks(0, layout.host_span[i], self.chunk_bytes) for i in range(len(ckpt.files))]
-        read_s, _, mode = self._stream(ckpt, layout, cuts, dest, None, None, None, None, None)
-        tensors = views(arena.tensor)
+    def _into_memory(self, plan: LoadPlan) -> _Outcome:
+        nbytes = plan.host_bytes
+        arena = HostArena(nbytes, segment_bytes=round_up(nbytes, PAGE))
+        out = self._read(plan, _ArenaRoute(plan, arena, self.chunk_bytes), None)
+        host = arena.tensor
         arena.close()  # nothing is registered; the tensors keep the mapping alive
-        return tensors, read_s, 0.0, "read", "host", mode
+        tensors = plan.source_views(host)
+        if plan.casts:
+            t = time.perf_counter()
+            for s in plan.slots:
+                if s.source != s.target:
+                    tensors[s.name] = tensors[s.name].to(s.target)
+                    # The file's bytes of a cast tensor are dead: give their pages back,
+                    # so the load never holds two full copies.
+                    base = plan.host_base[s.file]
+                    release_pages(host, base + s.begin, base + s.end)
+            out.cast_s = time.perf_counter() - t
+        out.tensors, out.path = tensors, "host"
+        return out
 
     # ---- the shared read → copy loop ---------------------------------------------
 
-    def _stream(self, ckpt, layout, cuts, dest, host, engine, flat, issued, block, on_submit=None):
-        """Read every chunk; as each lands, copy its tensor bytes to ``flat``.
-
-        ``on_submit`` runs on this thread once the reads are queued (while they run)."""
+    def _read(self, plan: LoadPlan, route: _Route, moves: Transfer | None) -> _Outcome:
+        """Read every range the route asks for; as each lands, copy it (``moves``)."""
+        assert self._reader is not None
         files: list[ReadBackend] = []
         handle = None
         try:
-            for f in ckpt.files:
+            for f in plan.checkpoint.files:
                 files.append(open_backend(f.path, self.read_mode, block_bytes=self.block_bytes))
             requests = []
-            for i, f in enumerate(ckpt.files):
-                for a0, b0 in cuts[i]:
-                    for a, b in _chunks(a0, b0, self.chunk_bytes) if issued is None else [(a0, b0)]:
-                        expected = max(0, min(b, f.data_end) - a)
-                        requests.append(
-                            ReadRequest(files[i], a, b - a, expected, dest(i, a, b), (i, a, b))
-                        )
-            if engine is not None:
-                engine.begin()
+            for i, f in enumerate(plan.checkpoint.files):
+                for a, b in route.ranges(i):
+                    expected = max(0, min(b, f.data_end) - a)
+                    requests.append(
+                        ReadRequest(files[i], a, b - a, expected, route.dest(i, a, b), (i, a, b))
+                    )
+            if moves is not None:
+                moves.begin()
             t0 = time.perf_counter()
             handle = self._reader.submit(requests)
-            if on_submit is not None:
-                on_submit()
+            # Views need the buffer, not its bytes: build them while the reads run.
+            tensors = plan.views(moves.flat) if moves is not None else {}
             for i, a, b in handle.completed():
-                event = None
-                if engine is not None:
-                    f = ckpt.files[i]
-                    c0, c1 = max(a, f.data_start), min(b, f.data_end)
-                    if c0 < c1:
-                        d = layout.dev_base[i] + c0 - f.data_start
-                        event = engine.copy(flat[d : d + c1 - c0], host(i, a, b)[c0 - a : c1 - a])
-                        if block is not None:
-                            block.event = event
-                if issued is not None:
-                    issued(i, a, event)
+                event = moves.land(i, a, b, route.host(i, a, b)) if moves is not None else None
+                route.landed(i, a, b, event)
             read_s = time.perf_counter() - t0
-            h2d_s = engine.finish() if engine is not None else 0.0
-            return read_s, h2d_s, files[0].name if files else "-"
+            h2d_s = moves.finish() if moves is not None else 0.0
+            return _Outcome(tensors, "read", "", files[0].name if files else "-", read_s, h2d_s)
         except BaseException:
             if handle is not None:
                 handle.cancel()  # no reader thread may still write into memory we give back
-            if engine is not None:
-                engine.stream.synchronize()  # ... nor a copy still read from it
+            if moves is not None:
+                moves.abort()  # ... nor a copy still read from it
             raise
         finally:
             for r in files:
@@ -445,18 +346,21 @@ class Loader:
         if dev.type == "cuda":
             with self._lock:
                 self._engine(dev)
-                self._staging_ring()
+                self._staging_ring(dev)
 
-    def _engine(self, dev: torch.device) -> CopyEngine:
+    def _engine(self, dev: torch.device) -> CopyEngine | HostCopy:
+        if dev.type != "cuda":
+            return HostCopy()
         engine = self._engines.get(dev.index)
         if engine is None:
             engine = self._engines[dev.index] = CopyEngine(dev)
         return engine
 
-    def _staging_ring(self) -> StagingRing:
+    def _staging_ring(self, dev: torch.device) -> StagingRing:
         if self._ring is None:
+            # Registered through the first GPU's context, portable to the others.
             self._ring = StagingRing(
-                slots=self.ring_slots, slot_bytes=self.ring_slot_bytes, pin=True
+                slots=self.ring_slots, slot_bytes=self.ring_slot_bytes, pin=True, device=dev.index
             )
         return self._ring
 
@@ -478,78 +382,149 @@ class Loader:
         self.close()
 
 
+@dataclass
+class _Outcome:
+    tensors: dict[str, torch.Tensor]
+    scenario: str
+    path: str
+    mode: str
+    read_s: float = 0.0
+    h2d_s: float = 0.0
+    cast_s: float = 0.0
+
+
+class _Route:
+    """Where one read pass puts each file range, and what happens once it has landed.
+
+    ``ranges(i)`` are file ``i``'s byte ranges to read (file offsets, from byte 0 so
+    host and file offsets share alignment); ``dest`` gives a reader thread the memory
+    for one (or ``None`` if the load was cancelled while it waited for it); ``host``
+    is that memory as a uint8 tensor; ``landed`` runs on the loading thread after the
+    range's copies were issued, with the event of the last one.
+    """
+
+    def ranges(self, i: int) -> list[tuple[int, int]]:
+        raise NotImplementedError
+
+    def dest(self, i: int, a: int, b: int) -> Callable[[threading.Event], memoryview | None]:
+        raise NotImplementedError
+
+    def host(self, i: int, a: int, b: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def landed(self, i: int, a: int, b: int, event: Any) -> None:
+        pass
+
+
+class _BlockRoute(_Route):
+    """Into a pool block, in the plan's host layout; each chunk fences the block."""
+
+    def __init__(self, plan: LoadPlan, block: Block, chunk_bytes: int):
+        self.plan, self.block, self.chunk_bytes = plan, block, chunk_bytes
+        self._view = block.view()
+
+    def ranges(self, i: int) -> list[tuple[int, int]]:
+        base = self.plan.host_base[i]
+        out = []
+        # A chunk never spans two registrations: it is copied in one piece.
+        for a, b in self.block.split(base, base + self.plan.host_span[i]):
+            out += _chunks(a - base, b - base, self.chunk_bytes)
+        return out
+
+    def dest(self, i, a, b):
+        lo = self.plan.host_base[i]
+        view = self._view
+        return lambda cancel: view[lo + a : lo + b]
+
+    def host(self, i, a, b):
+        lo = self.plan.host_base[i]
+        return self.block.tensor[lo + a : lo + b]
+
+    def landed(self, i, a, b, event):
+        self.block.fence(event)
+
+
+class _RingRoute(_Route):
+    """Through the staging ring: chunk ``seq`` waits for slot ``seq % slots`` to be free."""
+
+    def __init__(self, plan: LoadPlan, ring: StagingRing):
+        self.ring = ring
+        self._seq: dict[tuple[int, int], int] = {}
+        self._ranges: list[list[tuple[int, int]]] = []
+        slot = ring.slot_bytes
+        for i in range(len(plan.checkpoint.files)):
+            pieces = []
+            for a in range(0, plan.host_span[i], slot):
+                self._seq[(i, a)] = len(self._seq)
+                pieces.append((a, min(a + slot, plan.host_span[i])))
+            self._ranges.append(pieces)
+
+    def ranges(self, i):
+        return self._ranges[i]
+
+    def dest(self, i, a, b):
+        seq, ring = self._seq[(i, a)], self.ring
+
+        def acquire(cancel: threading.Event) -> memoryview | None:
+            view = ring.acquire(seq, cancel)
+            return None if view is None else view[: b - a]
+
+        return acquire
+
+    def host(self, i, a, b):
+        o = self.ring.offset(self._seq[(i, a)])
+        return self.ring.arena.tensor[o : o + b - a]
+
+    def landed(self, i, a, b, event):
+        # The slot is refilled only after this copy's event has completed.
+        self.ring.issued(self._seq[(i, a)], event)
+
+
+class _ArenaRoute(_Route):
+    """Into memory the returned CPU tensors will own, in the plan's host layout."""
+
+    def __init__(self, plan: LoadPlan, arena: HostArena, chunk_bytes: int):
+        self.plan, self.chunk_bytes = plan, chunk_bytes
+        self._view = arena.view(0, arena.nbytes)
+
+    def ranges(self, i):
+        return _chunks(0, self.plan.host_span[i], self.chunk_bytes)
+
+    def dest(self, i, a, b):
+        lo = self.plan.host_base[i]
+        view = self._view
+        return lambda cancel: view[lo + a : lo + b]
+
+
 def _chunks(start: int, end: int, step: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, end)) for a in range(start, end, step)]
 
 
 def _identity(ckpt: Checkpoint) -> tuple:
+    # ctime as well as mtime: a rewrite in place that restores the mtime (rsync -t,
+    # touch -r) still moves the ctime, which no user call can set.
     ids = []
     for f in ckpt.files:
         st = os.stat(f.path)
-        ids.append((os.path.realpath(f.path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+        ids.append(
+            (
+                os.path.realpath(f.path),
+                st.st_dev,
+                st.st_ino,
+                st.st_size,
+                st.st_mtime_ns,
+                st.st_ctime_ns,
+            )
+        )
     return ("nostall-checkpoint", tuple(ids))
 
 
-def _torch_dtypes(ckpt: Checkpoint, entries: list[tuple[int, TensorEntry]]) -> list[torch.dtype]:
-    out = []
-    for i, e in entries:
-        dt = to_torch(e.dtype)
-        if dt is None:
-            raise CheckpointError(
-                f"dtype {e.dtype} has no torch equivalent in torch {torch.__version__}; "
-                "upgrade torch or convert the checkpoint",
-                path=ckpt.files[i].path,
-                tensor=e.name,
-            )
-        out.append(dt)
-    return out
-
-
-def _device_buffer(layout: _Layout, dev: torch.device) -> torch.Tensor:
-    return torch.empty(layout.dev_bytes, dtype=torch.uint8, device=dev)
-
-
-def _views(base, ckpt, layout, entries, dtypes, *, on_device: bool) -> dict[str, torch.Tensor]:
-    """Tensors as views of ``base`` (device: data sections packed; host: whole files).
-
-    A tensor whose offset is not a multiple of its element size cannot be a view;
-    it is copied (safetensors writers align offsets, so this is rare).
-    """
-    out: dict[str, torch.Tensor] = {}
-    for (i, e), dt in zip(entries, dtypes, strict=False):
-        f = ckpt.files[i]
-        start = (
-            layout.dev_base[i] + e.begin - f.data_start
-            if on_device
-            else layout.host_base[i] + e.begin
-        )
-        if e.nbytes == 0:
-            out[e.name] = torch.empty(e.shape, dtype=dt, device=base.device)
-            continue
-        raw = base[start : start + e.nbytes]
-        if start % dt.itemsize:
-            raw = raw.clone()
-        out[e.name] = raw.view(dt).view(e.shape)
-    return out
-
-
-def _cast(
-    tensors: dict[str, torch.Tensor],
-    dtype: torch.dtype | Mapping[str, torch.dtype],
-    dev: torch.device,
-) -> dict[str, torch.Tensor]:
-    """Cast floating tensors to ``dtype`` into one new flat allocation (others copied as-is)."""
-    plan, size = [], 0
-    for name, t in tensors.items():
-        want = dtype.get(name, t.dtype) if isinstance(dtype, Mapping) else dtype
-        dt = want if t.dtype in _CASTABLE else t.dtype
-        size = round_up(size, _DEV_ALIGN)
-        plan.append((name, t, dt, size))
-        size += t.numel() * dt.itemsize
-    flat = torch.empty(size, dtype=torch.uint8, device=dev)
-    out = {}
-    for name, t, dt, off in plan:
-        view = flat[off : off + t.numel() * dt.itemsize].view(dt).view(t.shape)
-        view.copy_(t)
-        out[name] = view
-    return out
+def _target_buffer(nbytes: int, dev: torch.device) -> torch.Tensor:
+    """The flat buffer the loaded tensors view: device memory, or for a CPU load private
+    page-aligned memory (freed when the last tensor viewing it is garbage)."""
+    if dev.type == "cuda":
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=dev)
+    arena = HostArena(max(nbytes, 1), segment_bytes=round_up(max(nbytes, 1), PAGE))
+    flat = arena.tensor
+    arena.close()
+    return flat

@@ -1,0 +1,226 @@
+"""Where every byte of one load goes: file → host memory → one flat target buffer.
+
+A :class:`LoadPlan` is computed from the validated headers before a byte is read.
+It fixes two layouts:
+
+* **host**: each file, from byte 0, at a 4 KiB-aligned offset of the host buffer
+  (a pool block, a staging slot, or a CPU load's own memory), so file and host
+  offsets share their alignment — what ``O_DIRECT`` needs;
+* **target**: each tensor's offset in the flat buffer the returned tensors view.
+  When no tensor changes dtype, the files' data sections are packed as they are
+  (one copy per chunk, whatever tensors it holds). When some do, every tensor gets
+  its own slot sized for its *target* dtype: tensors that keep their dtype are
+  copied straight there, the others are gathered and cast one at a time
+  (:class:`~nostall.transfer.copy.Transfer`). Peak memory is then the target
+  checkpoint plus the tensors being cast — never two full copies.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from nostall.checkpoint import Checkpoint, to_torch
+from nostall.errors import ArgumentError, CheckpointError
+from nostall.memory.host import round_up
+
+__all__ = ["CASTABLE", "Cast", "Copy", "LoadPlan", "Slot"]
+
+HOST_ALIGN = 4096  # O_DIRECT granularity; every file starts at such an offset in host memory
+TARGET_ALIGN = 256  # keeps each tensor's alignment inside the flat target buffer
+CASTABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One tensor: its bytes ``[begin, end)`` in file ``file`` and its place in the target."""
+
+    name: str
+    file: int
+    begin: int
+    end: int
+    shape: tuple[int, ...]
+    source: torch.dtype
+    target: torch.dtype
+    offset: int  # in the flat target buffer
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def target_bytes(self) -> int:
+        return self.numel * self.target.itemsize
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Copy file bytes ``[lo, hi)`` to ``offset`` of the target buffer, unchanged."""
+
+    lo: int
+    hi: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Cast:
+    """File bytes ``[lo, hi)`` belong to ``slot``, whose dtype changes."""
+
+    slot: Slot
+    lo: int
+    hi: int
+
+
+class LoadPlan:
+    """The host and target layouts of one checkpoint, and the copies between them.
+
+    ``dtype`` is ``None`` (keep every dtype), one dtype for every floating tensor
+    (fp16/bf16/fp32/fp64; fp8 and integer tensors keep theirs), or a mapping of
+    tensor names to dtypes (names not in it keep theirs).
+
+    >>> plan = LoadPlan(resolve("model.safetensors"), torch.bfloat16)  # doctest: +SKIP
+    >>> plan.casts, plan.target_bytes  # doctest: +SKIP
+    (True, 23782131712)
+    """
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        dtype: torch.dtype | Mapping[str, torch.dtype] | None = None,
+    ):
+        self.checkpoint = checkpoint
+        files = checkpoint.files
+        for d in _requested(dtype):
+            if d not in CASTABLE:
+                raise ArgumentError(
+                    f"dtype={d} is not a cast target; use one of "
+                    f"{', '.join(str(c) for c in CASTABLE)} (fp8 and integer tensors are never cast)"
+                )
+        self.host_base: list[int] = []
+        self.host_span: list[int] = []
+        h = 0
+        for f in files:
+            span = round_up(f.data_end, HOST_ALIGN)
+            self.host_base.append(h)
+            self.host_span.append(span)
+            h += span
+        self.host_bytes = max(h, HOST_ALIGN)
+
+        entries = checkpoint.entries()
+        raw: list[tuple[int, object, torch.dtype, torch.dtype]] = []
+        for i, e in entries:
+            source = to_torch(e.dtype)
+            if source is None:
+                raise CheckpointError(
+                    f"dtype {e.dtype} has no torch equivalent in torch {torch.__version__}; "
+                    "upgrade torch or convert the checkpoint",
+                    path=files[i].path,
+                    tensor=e.name,
+                )
+            want = dtype.get(e.name, source) if isinstance(dtype, Mapping) else dtype
+            target = want if want is not None and source in CASTABLE else source
+            raw.append((i, e, source, target))
+        self.casts = any(source != target for _, _, source, target in raw)
+
+        slots: list[Slot] = []
+        if not self.casts:
+            # Data sections packed as they are: a chunk is one copy, whatever it holds.
+            dev_base, d = [], 0
+            for f in files:
+                dev_base.append(d)
+                d = round_up(d + f.data_bytes, TARGET_ALIGN)
+            for i, e, source, target in raw:
+                off = dev_base[i] + e.begin - files[i].data_start
+                slots.append(Slot(e.name, i, e.begin, e.end, e.shape, source, target, off))
+            self._dev_base = dev_base
+        else:
+            d = 0
+            for i, e, source, target in raw:
+                d = round_up(d, TARGET_ALIGN)
+                slot = Slot(e.name, i, e.begin, e.end, e.shape, source, target, d)
+                slots.append(slot)
+                d += slot.target_bytes
+            self._dev_base = []
+        self.slots = slots
+        self.target_bytes = d
+        self._by_file: list[list[Slot]] = [[] for _ in files]
+        for s in slots:
+            if s.end > s.begin:
+                self._by_file[s.file].append(s)
+        for lst in self._by_file:
+            lst.sort(key=lambda s: s.begin)
+        self._begins = [[s.begin for s in lst] for lst in self._by_file]
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.slots)
+
+    def pieces(self, i: int, a: int, b: int) -> Iterator[Copy | Cast]:
+        """The copies for file ``i``'s bytes ``[a, b)`` (file offsets), once they are in
+        host memory."""
+        f = self.checkpoint.files[i]
+        if not self.casts:
+            lo, hi = max(a, f.data_start), min(b, f.data_end)
+            if lo < hi:
+                yield Copy(lo, hi, self._dev_base[i] + lo - f.data_start)
+            return
+        lst = self._by_file[i]
+        k = max(0, bisect.bisect_right(self._begins[i], a) - 1)
+        while k < len(lst) and lst[k].begin < b:
+            s = lst[k]
+            lo, hi = max(a, s.begin), min(b, s.end)
+            if lo < hi:
+                if s.source == s.target:
+                    yield Copy(lo, hi, s.offset + lo - s.begin)
+                else:
+                    yield Cast(s, lo, hi)
+            k += 1
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The tensors as views of the flat target buffer (``uint8``, ``target_bytes`` long).
+
+        A tensor whose offset is not a multiple of its element size cannot be a view
+        (a packed file whose writer did not align it; safetensors writers do); it is
+        copied.
+        """
+        out: dict[str, torch.Tensor] = {}
+        for s in self.slots:
+            if s.numel == 0:
+                out[s.name] = torch.empty(s.shape, dtype=s.target, device=flat.device)
+                continue
+            raw = flat[s.offset : s.offset + s.target_bytes]
+            if s.offset % s.target.itemsize:
+                raw = raw.clone()
+            out[s.name] = raw.view(s.target).view(s.shape)
+        return out
+
+    def source_views(self, host: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The tensors in their file dtypes as views of host memory in the host layout."""
+        out: dict[str, torch.Tensor] = {}
+        for s in self.slots:
+            n = s.end - s.begin
+            if n == 0:
+                out[s.name] = torch.empty(s.shape, dtype=s.source)
+                continue
+            start = self.host_base[s.file] + s.begin
+            raw = host[start : start + n]
+            if start % s.source.itemsize:
+                raw = raw.clone()
+            out[s.name] = raw.view(s.source).view(s.shape)
+        return out
+
+
+def _requested(dtype: torch.dtype | Mapping[str, torch.dtype] | None) -> list[torch.dtype]:
+    if dtype is None:
+        return []
+    if isinstance(dtype, Mapping):
+        return list(dtype.values())
+    if not isinstance(dtype, torch.dtype):
+        raise ArgumentError(f"dtype={dtype!r} is not a torch.dtype (e.g. torch.bfloat16)")
+    return [dtype]
