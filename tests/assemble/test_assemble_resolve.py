@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -30,6 +31,9 @@ def _write(folder: Path, text: str) -> Path:
 
 BAD_CONFIGS = {
     "not json": ("{'_class_name': ", "not valid JSON"),
+    # json.loads raises RecursionError and a bare ValueError for these two.
+    "nested too deep": ("[" * 100_000 + "]" * 100_000, "nests JSON arrays or objects deeper"),
+    "integer too long": ('{"in_channels": ' + "4" * 5000 + "}", "integer literal longer than"),
     "not an object": ("[1, 2]", "JSON object"),
     "no class": (json.dumps({"in_channels": 4}), "names no model class"),
     "unknown diffusers class": (json.dumps({"_class_name": "NoSuchModel"}), "NoSuchModel"),
@@ -75,3 +79,26 @@ def test_config_that_does_not_construct(tmp_path: Path) -> None:
         build_empty(cls, tmp_path / "vae")
     assert info.value.path == str(path)
     assert info.value.__cause__ is not None
+
+
+@pytest.mark.timeout(10)
+def test_fifo_config_is_refused_without_blocking(tmp_path: Path) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    os.mkfifo(folder / "config.json")  # reading it would wait forever for a writer
+    with pytest.raises(CheckpointError, match="FIFO") as info:
+        read_config(folder)
+    assert info.value.path == str(folder / "config.json")
+    with pytest.raises(CheckpointError, match="FIFO"):
+        resolve_model_class(folder / "config.json")
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="no /dev/zero")
+def test_device_config_is_refused_without_reading(tmp_path: Path) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").symlink_to("/dev/zero")  # would be read forever
+    with pytest.raises(CheckpointError, match="character device") as info:
+        read_config(folder)
+    assert info.value.path == str(folder / "config.json")

@@ -1,8 +1,12 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import os
+import socket
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,6 +77,7 @@ def _one(dtype="F32", shape=(2,), offsets=(0, 8)):
     ("header", "data", "match"),
     [
         (_one(dtype="F33"), b"\0" * 8, "unknown dtype 'F33'"),
+        (_one(dtype=["F32"]), b"\0" * 8, "unknown dtype"),  # unhashable: no TypeError
         (_one(shape=(3,)), b"\0" * 8, "needs 12 bytes"),
         (_one(offsets=(0, 16)), b"\0" * 8, "outside the data section"),
         (_one(offsets=(8, 4)), b"\0" * 8, "outside the data section"),
@@ -105,8 +110,98 @@ def test_malformed_headers_name_file_and_tensor(tmp_path, header, data, match):
 
 def test_not_json(tmp_path):
     path = write_raw(tmp_path / "bad.safetensors", b"{not json")
-    with pytest.raises(CheckpointError, match="not valid UTF-8 JSON"):
+    with pytest.raises(CheckpointError, match="not valid JSON"):
         read_header(path)
+    path = write_raw(tmp_path / "bad.safetensors", b'{"\xff": 1}')
+    with pytest.raises(CheckpointError, match="not valid UTF-8"):
+        read_header(path)
+
+
+_LONG_INT = "1" * 5000  # past Python's 4300-digit limit for int(str)
+
+HOSTILE_JSON = {
+    "nested arrays": b"[" * 100_000 + b"]" * 100_000,
+    "nested objects": b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
+    "nested shape": (
+        b'{"t":{"dtype":"F32","data_offsets":[0,0],"shape":' + b"[" * 50_000 + b"]" * 50_000 + b"}}"
+    ),
+    "long int in shape": (
+        b'{"t":{"dtype":"F32","data_offsets":[0,0],"shape":[0,' + _LONG_INT.encode() + b"]}}"
+    ),
+    "long int in metadata": b'{"__metadata__":{"a":' + _LONG_INT.encode() + b"}}",
+    "long negative int": b'{"t":-' + _LONG_INT.encode() + b"}",
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_JSON))
+def test_hostile_json_is_a_checkpoint_error(tmp_path, case):
+    # json.loads raises RecursionError / a bare ValueError here, not JSONDecodeError.
+    path = write_raw(tmp_path / "bad.safetensors", HOSTILE_JSON[case])
+    with pytest.raises(CheckpointError, match="header") as info:
+        read_header(path)
+    assert info.value.path == path
+    assert isinstance(info.value.__cause__, (RecursionError, ValueError))
+    assert "download or save it again" in str(info.value)
+    assert len(str(info.value)) < 1000  # the 5000 digits are not echoed
+
+
+# Shapes torch refuses even when a zero dimension makes the tensor empty (nbytes 0,
+# so the data_offsets check alone lets them through).
+OVERFLOWING_SHAPES = [
+    [0, 2**70],
+    [2**70, 0],
+    [0, 2**63],
+    [2**40, 2**40, 0],
+    [0, 2**62, 2],
+    [2**62, 2, 0],  # torch accepts this one; the rule is the product of non-zero dims
+    [0, *([2**16] * 4)],
+]
+
+
+@pytest.mark.parametrize("shape", OVERFLOWING_SHAPES, ids=str)
+def test_overflowing_shape_names_the_tensor(tmp_path, shape):
+    path = write_raw(tmp_path / "bad.safetensors", _one(shape=shape, offsets=(0, 0)))
+    with pytest.raises(CheckpointError, match=r"2\*\*63 - 1") as info:
+        read_header(path)
+    assert info.value.tensor == "t" and info.value.path == path
+
+
+@pytest.mark.parametrize("dtype", ["F32", "U8", "F64", "BF16"])
+@pytest.mark.parametrize(
+    "shape",
+    [[0, 2**63 - 1], [2**31, 2**31, 0], [0, 2**62, 1], [3, 0, 2**61], [2**32, 2**31 - 1, 0]],
+)
+def test_empty_shapes_at_the_limit_are_accepted_and_torch_builds_them(tmp_path, dtype, shape):
+    path = write_raw(tmp_path / "ok.safetensors", _one(dtype=dtype, shape=shape, offsets=(0, 0)))
+    (entry,) = read_header(path).tensors
+    assert torch.empty(entry.shape, dtype=to_torch(dtype)).numel() == 0
+
+
+_dims = st.sampled_from([0, 1, 3, 2**31, 2**32, 2**40, 2**61, 2**62, 2**63 - 1, 2**63, 2**64])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    dtype=st.sampled_from(sorted(BITS)),
+    shape=st.lists(_dims, min_size=1, max_size=4).map(lambda s: [*s, 0]),
+    order=st.randoms(use_true_random=False),
+)
+def test_accepted_empty_shapes_never_fail_in_torch(dtype, shape, order):
+    """A zero-size shape the header check accepts builds in torch (the loader makes
+    zero-byte tensors with torch.empty); one it refuses breaks the int64 rule."""
+    order.shuffle(shape)
+    raw = json.dumps(_one(dtype=dtype, shape=shape, offsets=(0, 0))).encode()
+    product = 1
+    for d in shape:
+        product *= d or 1
+    try:
+        parse_header(raw, file_size=8 + len(raw))
+    except CheckpointError as e:
+        assert e.tensor == "t"
+        assert product > 2**63 - 1
+        return
+    assert product <= 2**63 - 1
+    assert torch.empty(shape, dtype=to_torch(dtype) or torch.uint8).numel() == 0
 
 
 def test_header_length_beyond_file(tmp_path):
@@ -135,9 +230,45 @@ def test_truncated_data(ckpt_file):
         read_header(ckpt_file)
 
 
-def test_unreadable_file(tmp_path):
-    with pytest.raises(ReadError):
-        read_header(tmp_path)  # a directory: open() fails with EISDIR
+def test_unreadable_file(ckpt_file, monkeypatch):
+    real_open = os.open
+
+    def refuse(path, *args, **kwargs):
+        if os.fspath(path) == str(ckpt_file):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    # Tests run as root, whom chmod does not stop.
+    monkeypatch.setattr(os, "open", refuse)
+    with pytest.raises(ReadError, match="Permission denied") as info:
+        read_header(ckpt_file)
+    assert info.value.path == str(ckpt_file)
+
+
+def _special_files(tmp_path):
+    """Paths of a FIFO, /dev/zero, /dev/urandom, a socket and a folder, by kind."""
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)
+    out = {"FIFO": fifo, "folder": tmp_path / "dir.safetensors"}
+    out["folder"].mkdir()
+    for dev in ("/dev/zero", "/dev/urandom"):
+        if os.path.exists(dev):
+            out["character device " + dev] = Path(dev)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(tmp_path / "s.safetensors"))
+    sock.close()
+    out["socket"] = tmp_path / "s.safetensors"
+    return out
+
+
+@pytest.mark.timeout(10)
+def test_special_files_are_refused_without_opening(tmp_path):
+    # Before the check, open() on the FIFO blocked forever waiting for a writer.
+    for kind, path in _special_files(tmp_path).items():
+        with pytest.raises(CheckpointError, match="not a regular file") as info:
+            read_header(path)
+        assert info.value.path == str(path)
+        assert kind.split()[0].lower() in str(info.value).lower()
 
 
 def test_zero_byte_tensors_may_share_offsets(tmp_path):

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
@@ -188,3 +189,121 @@ def test_closed_reader(data_file):
         reader.submit([])
     with pytest.raises(ValueError):
         ParallelReader(threads=0)
+
+
+# ---- O_DIRECT alignment after short reads. tmp_path may refuse O_DIRECT (tmpfs), so
+# DirectBackend's logic runs on a plain descriptor; os.preadv records every request.
+
+
+def _address(mv: memoryview) -> int:
+    c = ctypes.c_char.from_buffer(mv)
+    try:
+        return ctypes.addressof(c)
+    finally:
+        del c
+
+
+@pytest.fixture
+def direct_on_plain_fd(monkeypatch):
+    monkeypatch.setattr(DirectBackend, "_open", lambda self, path: os.open(path, os.O_RDONLY))
+
+
+def _recording_preadv(monkeypatch, cut=None):
+    """Replace os.preadv; ``cut(offset, length)`` may return a shorter count to read."""
+    real = os.preadv
+    calls = []
+
+    def preadv(fd, bufs, offset):
+        (buf,) = bufs
+        calls.append((offset, len(buf), _address(buf)))
+        want = cut(offset, len(buf)) if cut else None
+        return real(fd, [buf[:want]] if want is not None else [buf], offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    return calls
+
+
+def _aligned_read(r, size):
+    buf = mmap.mmap(-1, (size + 4095) // 4096 * 4096)  # page-aligned
+    mv = memoryview(buf)
+    got = r.read_into(mv, 0)
+    return got, bytes(mv[:got]), mv, buf
+
+
+def test_direct_short_read_mid_file_stays_aligned(
+    data_file, direct_on_plain_fd, monkeypatch, caplog
+):
+    path, payload = data_file
+    block = 64 << 10
+    mid = 5 * block
+    state = {"cut": False}
+
+    def cut(offset, length):
+        if offset == mid and not state["cut"]:
+            state["cut"] = True
+            return 3 * 4096 + 123  # short and off the alignment
+        return None
+
+    with DirectBackend(path, block_bytes=block) as r:
+        calls = _recording_preadv(monkeypatch, cut)
+        with caplog.at_level(logging.WARNING):
+            got, data, mv, _buf = _aligned_read(r, len(payload))
+        mv.release()
+    assert state["cut"]
+    assert got == len(payload) and data == payload
+    after = calls[[c[0] for c in calls].index(mid) + 1 :]
+    assert after, "the read went on after the short one"
+    base = calls[0][2]
+    for offset, length, address in after:
+        assert offset % 4096 == 0 and length % 4096 == 0 and (address - base) % 4096 == 0
+    assert after[0][0] == mid + 3 * 4096  # the aligned part was kept, the rest read again
+    assert "mid-file" in caplog.text and path in caplog.text
+
+
+def test_direct_read_stops_at_the_unaligned_end_of_file(data_file, direct_on_plain_fd, monkeypatch):
+    path, payload = data_file  # 3 MiB + 1234 bytes: the last read is short and unaligned
+    with DirectBackend(path, block_bytes=64 << 10) as r:
+        calls = _recording_preadv(monkeypatch)
+        got, data, mv, _buf = _aligned_read(r, len(payload))
+        mv.release()
+    assert got == len(payload) and data == payload
+    assert all(off % 4096 == 0 and n % 4096 == 0 for off, n, _ in calls)
+    assert calls[-1][0] == len(payload) // (64 << 10) * (64 << 10)  # no read after the tail
+
+
+@pytest.mark.timeout(10)
+def test_direct_reads_that_never_reach_the_alignment_fail_cleanly(
+    data_file, direct_on_plain_fd, monkeypatch
+):
+    path, payload = data_file
+    with DirectBackend(path, block_bytes=64 << 10) as r:
+        calls = _recording_preadv(monkeypatch, lambda offset, length: 100 if offset else None)
+        with pytest.raises(ReadError, match="read_mode='buffered'") as info:
+            _aligned_read(r, len(payload))
+    assert info.value.path == path
+    assert all(off % 4096 == 0 and n % 4096 == 0 for off, n, _ in calls)
+
+
+def test_buffered_short_reads_are_retried(data_file, monkeypatch):
+    path, payload = data_file
+    with BufferedBackend(path, block_bytes=64 << 10) as r:
+        _recording_preadv(monkeypatch, lambda offset, length: 777)
+        got, data, mv, _buf = _aligned_read(r, len(payload))
+        mv.release()
+    assert got == len(payload) and data == payload
+
+
+# ---- special files: refused before they are opened
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("mode", ["buffered", "direct"])
+def test_special_files_are_refused(tmp_path, mode):
+    fifo = tmp_path / "pipe.bin"
+    os.mkfifo(fifo)  # open() would block until a writer appears
+    with pytest.raises(CheckpointError, match="FIFO") as info:
+        open_backend(str(fifo), mode, block_bytes=4096)
+    assert info.value.path == str(fifo)
+    if os.path.exists("/dev/zero"):
+        with pytest.raises(CheckpointError, match="character device"):
+            open_backend("/dev/zero", mode, block_bytes=4096)

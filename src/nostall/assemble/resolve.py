@@ -9,7 +9,6 @@ transformers models should not pay for it.
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any, Literal
 
 import torch.nn as nn
 
+from nostall.checkpoint.files import open_regular, parse_json
 from nostall.errors import CheckpointError
 
 __all__ = ["Library", "config_path", "library_of", "read_config", "resolve_model_class"]
@@ -44,7 +44,8 @@ def read_config(folder: str | os.PathLike) -> dict[str, Any]:
     """Parse a checkpoint folder's ``config.json`` into a dict.
 
     Raises :class:`~nostall.errors.CheckpointError` naming the file when it is
-    missing, unreadable, not JSON, or not a JSON object.
+    missing, unreadable, not a regular file (a FIFO or a device is never opened),
+    not JSON, or not a JSON object.
 
     Example::
 
@@ -53,19 +54,22 @@ def read_config(folder: str | os.PathLike) -> dict[str, Any]:
     """
     path = config_path(folder)
     try:
-        text = path.read_text(encoding="utf-8")
+        with open_regular(os.fspath(path), what="config") as f:
+            raw = f.read()
     except FileNotFoundError:
         raise CheckpointError(
             "no config.json here; pass the model's own folder (e.g. 'transformer/' or "
             "'text_encoder/' inside a pipeline), not the pipeline root",
             path=path,
         ) from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise CheckpointError(f"cannot read config: {exc}", path=path) from exc
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"config is not valid JSON: {exc}", path=path) from exc
+    config = parse_json(
+        raw,
+        what="config",
+        fix="download the model folder again, or re-save it with save_pretrained()",
+        path=os.fspath(path),
+    )
     if not isinstance(config, dict):
         raise CheckpointError(
             f"config must be a JSON object, found {type(config).__name__}", path=path

@@ -10,12 +10,13 @@ fast with the file and tensor named, instead of crashing a copy later.
 
 from __future__ import annotations
 
-import json
 import os
+import reprlib
 import struct
 from dataclasses import dataclass, field
 
 from nostall.checkpoint.dtypes import BITS, nbytes_of
+from nostall.checkpoint.files import open_regular, parse_json
 from nostall.errors import CheckpointError, ReadError
 
 __all__ = ["MAX_HEADER_BYTES", "FileIndex", "TensorEntry", "parse_header", "read_header"]
@@ -23,6 +24,18 @@ __all__ = ["MAX_HEADER_BYTES", "FileIndex", "TensorEntry", "parse_header", "read
 # safetensors refuses headers above 100 MB; a larger length is a corrupt file,
 # and refusing it keeps a bad length from allocating gigabytes.
 MAX_HEADER_BYTES = 100_000_000
+
+# torch keeps sizes, strides and element counts in int64 and checks them even for
+# an empty tensor: torch.empty([0, 2**63]) cannot unpack the size, torch.empty([2**40,
+# 2**40, 0]) raises "Storage size calculation overflowed" and torch.empty([0, 2**62, 2])
+# "Stride calculation overflowed". A shape whose non-zero dimensions multiply to at
+# most this passes all three (checked against torch 2.14 by test_header).
+_MAX_INT64 = 2**63 - 1
+
+# Shapes and offsets in messages: a corrupt header can hold thousands of 4300-digit numbers.
+_short = reprlib.Repr()
+_short.maxlist = 8
+_short.maxlong = 40
 
 
 @dataclass(frozen=True)
@@ -88,7 +101,7 @@ def read_header(path: str | os.PathLike) -> FileIndex:
     """
     path = os.fspath(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, what="safetensors file") as f:
             size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             if len(prefix) < 8:
@@ -120,10 +133,12 @@ def parse_header(raw: bytes, *, file_size: int, path: str = "<bytes>") -> FileIn
     8
     """
     data_start = 8 + len(raw)
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"header is not valid UTF-8 JSON: {e}", path=path) from e
+    doc = parse_json(
+        raw,
+        what="header",
+        fix="the file is corrupt or not safetensors; download or save it again",
+        path=path,
+    )
     if not isinstance(doc, dict):
         raise CheckpointError(f"header must be a JSON object, got {type(doc).__name__}", path=path)
 
@@ -168,27 +183,30 @@ def _entry(name: str, info: object, data_start: int, data_size: int, path: str) 
     if missing:
         raise CheckpointError(f"entry lacks {sorted(missing)}", path=path, tensor=name)
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if dtype not in BITS:
+    if not isinstance(dtype, str) or dtype not in BITS:
         raise CheckpointError(
-            f"unknown dtype {dtype!r}; safetensors defines {', '.join(BITS)}",
+            f"unknown dtype {_short.repr(dtype)}; safetensors defines {', '.join(BITS)}",
             path=path,
             tensor=name,
         )
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         raise CheckpointError(
-            f"shape {shape!r} must be a list of non-negative integers", path=path, tensor=name
+            f"shape {_short.repr(shape)} must be a list of non-negative integers",
+            path=path,
+            tensor=name,
         )
+    _check_int64(shape, path, name)
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
         raise CheckpointError(
-            f"data_offsets {offsets!r} must be [begin, end] with non-negative integers",
+            f"data_offsets {_short.repr(offsets)} must be [begin, end], non-negative integers",
             path=path,
             tensor=name,
         )
     begin, end = offsets
     if begin > end or end > data_size:
         raise CheckpointError(
-            f"data_offsets [{begin}, {end}) fall outside the data section of {data_size} "
-            "bytes; the file is truncated or its header is corrupt",
+            f"data_offsets [{_short.repr(begin)}, {_short.repr(end)}) fall outside the data "
+            f"section of {data_size} bytes; the file is truncated or its header is corrupt",
             path=path,
             tensor=name,
         )
@@ -196,12 +214,36 @@ def _entry(name: str, info: object, data_start: int, data_size: int, path: str) 
     expected = nbytes_of(dtype, shape_t)
     if expected is None or expected != end - begin:
         raise CheckpointError(
-            f"{dtype} {list(shape_t)} needs {expected} bytes but data_offsets "
+            f"{dtype} {_short.repr(shape)} needs {expected} bytes but data_offsets "
             f"[{begin}, {end}) hold {end - begin}",
             path=path,
             tensor=name,
         )
     return TensorEntry(name, dtype, shape_t, data_start + begin, data_start + end)
+
+
+def _check_int64(shape: list[int], path: str, name: str) -> None:
+    product = 1
+    for d in shape:
+        if d > _MAX_INT64:
+            raise CheckpointError(
+                f"shape {_short.repr(shape)} has a dimension of {_short.repr(d)}, beyond the "
+                "2**63 - 1 that torch can hold; the header is corrupt: download or save the "
+                "file again",
+                path=path,
+                tensor=name,
+            )
+        if d:
+            product *= d
+            if product > _MAX_INT64:
+                raise CheckpointError(
+                    f"the non-zero dimensions of shape {_short.repr(shape)} multiply to more "
+                    "than 2**63 - 1, past torch's int64 sizes and strides (even an empty "
+                    "tensor of this shape may not build); the header is corrupt: download or "
+                    "save the file again",
+                    path=path,
+                    tensor=name,
+                )
 
 
 def _is_count(x: object) -> bool:

@@ -5,26 +5,42 @@ layout (no conversion step):
 
 * one ``.safetensors`` file;
 * a sharded checkpoint: ``*.safetensors.index.json`` whose ``weight_map`` names,
-  for every tensor, the shard file (in the same folder) that holds it;
+  for every tensor, the shard file (in the index's folder or below it) that holds it;
 * a diffusers / transformers component folder: ``config.json`` beside
   ``diffusion_pytorch_model.safetensors`` or ``model.safetensors`` (either may be
-  sharded through its ``.index.json``), optionally with a variant such as
+  sharded through its index), optionally with a variant such as
   ``diffusion_pytorch_model.fp16.safetensors``.
+
+A sharded variant's index is ``<stem>.safetensors.index.<variant>.json`` with shards
+``<stem>.<variant>-00001-of-00002.safetensors``: both libraries' ``_add_variant``
+put the variant before the last suffix (diffusers 0.42, transformers 5.24).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
+from nostall.checkpoint.files import open_regular, parse_json
 from nostall.checkpoint.header import FileIndex, TensorEntry, read_header
-from nostall.errors import CheckpointError, ReadError
+from nostall.errors import ArgumentError, CheckpointError, ReadError
 
 __all__ = ["Checkpoint", "resolve"]
 
 # The weight file stems diffusers and transformers write, in the order we prefer.
 _STEMS = ("diffusion_pytorch_model", "model")
+
+
+def _index_names(stem: str, variant: str | None) -> tuple[str, ...]:
+    """The names a stem's shard index may have, newest convention first."""
+    if variant is None:
+        return (f"{stem}.safetensors.index.json",)
+    return (
+        f"{stem}.safetensors.index.{variant}.json",  # save_pretrained today
+        f"{stem}.{variant}.safetensors.index.json",  # older writers
+        # diffusers' legacy name, which its _fetch_index_file_legacy still reads
+        f"{stem}.safetensors.{variant}.index.json",
+    )
 
 
 @dataclass(frozen=True)
@@ -55,19 +71,42 @@ class Checkpoint:
         return [(i, e) for i, f in enumerate(self.files) for e in f.tensors]
 
 
-def resolve(path: str | os.PathLike, *, variant: str | None = None) -> Checkpoint:
+def resolve(
+    path: str | os.PathLike,
+    *,
+    variant: str | None = None,
+    allow_outside: bool = False,
+) -> Checkpoint:
     """Find and validate the files of the checkpoint at ``path``.
 
-    ``path`` is a ``.safetensors`` file, a ``.safetensors.index.json`` or a component
-    folder. ``variant`` picks ``<stem>.<variant>.safetensors`` in a folder.
+    Args:
+        path: a ``.safetensors`` file, a ``.safetensors.index.json`` or a component folder.
+        variant: in a folder, pick ``<stem>.<variant>.safetensors``, or the sharded
+            variant's index ``<stem>.safetensors.index.<variant>.json`` (the older
+            ``<stem>.<variant>.safetensors.index.json`` is read too).
+        allow_outside: let a shard index name shard files outside its own folder
+            (``"../x.safetensors"``, an absolute path). Off by default, so that an
+            index from an untrusted download reads only files beside it (subfolders
+            are always allowed).
+
+    Raises :class:`~nostall.CheckpointError` naming the file for anything missing,
+    malformed or not a regular file, :class:`~nostall.ReadError` when the OS refuses
+    a read, :class:`~nostall.ArgumentError` for an unusable ``variant``.
 
     >>> ckpt = resolve("flux/transformer")  # doctest: +SKIP
     >>> len(ckpt.files), ckpt.nbytes  # doctest: +SKIP
     (3, 23782131712)
     """
     source = os.fspath(path)
+    if variant is not None and (
+        not isinstance(variant, str) or not variant or "/" in variant or os.sep in variant
+    ):
+        raise ArgumentError(
+            f"variant={variant!r} must be a non-empty file name part such as 'fp16', "
+            "without path separators"
+        )
     if os.path.isdir(source):
-        return _resolve_folder(source, variant)
+        return _resolve_folder(source, variant, allow_outside)
     if not os.path.exists(source):
         raise CheckpointError(
             "no such file or folder; pass a .safetensors file, a .safetensors.index.json "
@@ -75,39 +114,54 @@ def resolve(path: str | os.PathLike, *, variant: str | None = None) -> Checkpoin
             path=source,
         )
     if source.endswith(".json"):
-        return Checkpoint(source, _resolve_index(source), folder=None)
+        return Checkpoint(source, _resolve_index(source, allow_outside), folder=None)
     return Checkpoint(source, (read_header(source),), folder=None)
 
 
-def _resolve_folder(folder: str, variant: str | None) -> Checkpoint:
+def _resolve_folder(folder: str, variant: str | None, allow_outside: bool) -> Checkpoint:
+    # exists(), not isfile(): a FIFO or device under a weight file's name is refused
+    # by name (open_regular), instead of being skipped as if absent.
     suffix = f".{variant}.safetensors" if variant else ".safetensors"
     for stem in _STEMS:
+        for name in _index_names(stem, variant):
+            index = os.path.join(folder, name)
+            if os.path.exists(index):
+                return Checkpoint(folder, _resolve_index(index, allow_outside), folder=folder)
         single = os.path.join(folder, stem + suffix)
-        index = single + ".index.json"
-        if os.path.isfile(index):
-            return Checkpoint(folder, _resolve_index(index), folder=folder)
-        if os.path.isfile(single):
+        if os.path.exists(single):
             return Checkpoint(folder, (read_header(single),), folder=folder)
-    others = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    try:
+        listing = os.listdir(folder)
+    except OSError as e:
+        raise ReadError(
+            f"cannot list the folder: {e.strerror or e}; check that this process may read it",
+            path=folder,
+        ) from e
+    others = sorted(n for n in listing if n.endswith(".safetensors"))
     if len(others) == 1 and variant is None:
         return Checkpoint(folder, (read_header(os.path.join(folder, others[0])),), folder=folder)
     wanted = " or ".join(s + suffix for s in _STEMS)
+    index = _index_names("<stem>", variant)[0]
     found = f"; it holds {', '.join(others)}" if others else ""
     raise CheckpointError(
-        f"no {wanted} (or its .index.json) in this folder{found}; pass the file itself "
+        f"no {wanted} (or its index {index}) in this folder{found}; pass the file itself "
         "or the right variant=",
         path=folder,
     )
 
 
-def _resolve_index(index_path: str) -> tuple[FileIndex, ...]:
+def _resolve_index(index_path: str, allow_outside: bool) -> tuple[FileIndex, ...]:
     try:
-        with open(index_path, encoding="utf-8") as f:
-            doc = json.load(f)
+        with open_regular(index_path, what="shard index") as f:
+            raw = f.read()
     except OSError as e:
         raise ReadError(f"cannot read the shard index: {e.strerror or e}", path=index_path) from e
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"shard index is not valid JSON: {e}", path=index_path) from e
+    doc = parse_json(
+        raw,
+        what="shard index",
+        fix="the download is corrupt: fetch the .index.json again",
+        path=index_path,
+    )
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
@@ -118,7 +172,16 @@ def _resolve_index(index_path: str) -> tuple[FileIndex, ...]:
         )
     folder = os.path.dirname(index_path)
     shard_names = sorted(set(weight_map.values()))
-    missing = [s for s in shard_names if not os.path.isfile(os.path.join(folder, s))]
+    outside = [s for s in shard_names if _is_outside(s)]
+    if outside and not allow_outside:
+        raise CheckpointError(
+            f"{len(outside)} shard file(s) named in the index lie outside its folder "
+            f"{folder or '.'}: {', '.join(map(repr, outside))}; a downloaded index names "
+            "shards beside it, so this one may be crafted to read other files. Move the "
+            "shards beside the index, or pass allow_outside=True if you trust it",
+            path=index_path,
+        )
+    missing = [s for s in shard_names if not os.path.exists(os.path.join(folder, s))]
     if missing:
         raise CheckpointError(
             f"{len(missing)} shard file(s) named in the index are missing from {folder or '.'}: "
@@ -146,3 +209,14 @@ def _resolve_index(index_path: str) -> tuple[FileIndex, ...]:
                 )
             seen[name] = shard
     return files
+
+
+def _is_outside(shard: str) -> bool:
+    """Whether a weight_map entry leaves the index's folder: absolute, or up through ``..``.
+
+    Judged on the text alone: a symlink inside the folder is the owner's choice.
+    """
+    if os.path.isabs(shard) or os.path.splitdrive(shard)[0]:
+        return True
+    parts = os.path.normpath(shard).replace(os.sep, "/").split("/")
+    return parts[0] == ".."

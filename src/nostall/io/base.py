@@ -10,7 +10,9 @@ threads read one file at once.
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import stat
 import threading
 from abc import ABC, abstractmethod
 
@@ -20,11 +22,14 @@ __all__ = [
     "DEFAULT_BLOCK_BYTES",
     "ReadBackend",
     "UnsupportedBackend",
+    "require_regular",
 ]
 
 # MuseAI's figure: 2 MiB requests need 1/16 of the syscalls of 128 KiB ones, and
 # sequential 2 MiB reads keep a disk's queue full without hurting latency.
 DEFAULT_BLOCK_BYTES = 2 << 20
+
+log = logging.getLogger(__name__)
 
 
 class UnsupportedBackend(Exception):
@@ -46,8 +51,21 @@ class ReadBackend(ABC):
             raise ValueError(f"block_bytes={block_bytes} must be a positive multiple of 4096")
         self.path = path
         self.block_bytes = block_bytes
+        self._realign_logged = False
+        # Checked before opening: open() of a FIFO blocks until a writer appears, and a
+        # device such as /dev/zero never ends.
+        try:
+            require_regular(os.stat(path).st_mode, path)
+        except OSError as e:
+            raise open_error(path, e) from e
         self.fd = self._open(path)
-        self.size = os.fstat(self.fd).st_size
+        try:
+            st = os.fstat(self.fd)
+            require_regular(st.st_mode, path)  # swapped since the stat
+        except BaseException:
+            self.close()
+            raise
+        self.size = st.st_size
 
     @abstractmethod
     def _open(self, path: str) -> int:
@@ -60,16 +78,49 @@ class ReadBackend(ABC):
 
         Stops at end of file (or when ``cancel`` is set); returns the bytes read.
         Short reads are retried; whether an early end of file is an error is the
-        caller's call (see :meth:`read_exact`).
+        caller's call (see :meth:`read_exact`). With ``alignment > 1``, ``dest``,
+        ``offset`` and ``len(dest)`` must be aligned, and every request issued stays
+        aligned: a short read that stops off the alignment ends the loop at end of
+        file, and mid-file is read again from the last aligned byte.
         """
         done = 0
         total = len(dest)
+        align = self.alignment
+        stalled_at = -1
         while done < total and not (cancel is not None and cancel.is_set()):
             n = min(self.block_bytes, total - done)
             got = self._pread(dest[done : done + n], offset + done)
             if got == 0:
                 break
             done += got
+            if got == n or done % align == 0:
+                continue
+            # Short and off the alignment: the next O_DIRECT request from here would
+            # fail with EINVAL. At end of file every byte there is has arrived.
+            if offset + done >= os.fstat(self.fd).st_size:
+                break
+            # Mid-file (some network and FUSE file systems cut reads short): keep the
+            # aligned part and read the partial block again.
+            restart = done - done % align
+            if restart == stalled_at:
+                raise ReadError(
+                    f"direct reads at offset {offset + restart} keep returning less than the "
+                    f"{align}-byte alignment mid-file ({got} bytes); this file system cuts "
+                    "O_DIRECT reads short: load with read_mode='buffered'",
+                    path=self.path,
+                )
+            if not self._realign_logged:
+                self._realign_logged = True
+                log.warning(
+                    "%s: a direct read at offset %d returned %d bytes mid-file; reading "
+                    "again from offset %d (logged once per file)",
+                    self.path,
+                    offset + done - got,
+                    got,
+                    offset + restart,
+                )
+            stalled_at = restart
+            done = restart
         return done
 
     def read_exact(
@@ -105,6 +156,31 @@ class ReadBackend(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# stat.filemode's type letter → words for the message.
+_KINDS = {
+    "d": "a folder",
+    "p": "a FIFO (named pipe)",
+    "c": "a character device",
+    "b": "a block device",
+    "s": "a socket",
+}
+
+
+def require_regular(mode: int, path: str, *, what: str = "file to read") -> None:
+    """Raise :class:`~nostall.CheckpointError` unless ``mode`` (an ``st_mode``) is a
+    regular file: a FIFO blocks ``open()`` until a writer appears, and a device such
+    as ``/dev/zero`` never ends."""
+    if stat.S_ISREG(mode):
+        return
+    kind = _KINDS.get(stat.filemode(mode)[0], "a special file")
+    raise CheckpointError(
+        f"the {what} is {kind}, not a regular file; nostall reads checkpoints only from "
+        "regular files (a pipe or a device can block or never end): point at the file "
+        "itself, or copy the data into a regular file first",
+        path=path,
+    )
 
 
 def open_error(path: str, e: OSError) -> ReadError:
