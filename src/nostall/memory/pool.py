@@ -49,6 +49,7 @@ from nostall.memory.host import (
     memory_limit,
     round_up,
 )
+from nostall.memory.ranges import Ranges
 
 __all__ = ["Block", "PinnedPool", "PoolStats", "size_class"]
 
@@ -293,7 +294,7 @@ class PinnedPool:
         self.arena = HostArena(capacity, segment_bytes=slab_bytes, device=self.device)
         self._lock = threading.Lock()
         self._released = threading.Condition(self._lock)  # notified when a holder lets go
-        self._free: list[tuple[int, int]] = [(0, capacity)]  # (offset, size), address order
+        self._ranges = Ranges(capacity)
         self._fenced: list[tuple[list[Any], int, int]] = []  # dropped, a copy may still read
         self._blocks: set[Block] = set()
         self._cache: dict[Hashable, Block] = {}
@@ -333,9 +334,9 @@ class PinnedPool:
             with self._lock:
                 self._check_open()
                 self._reclaim()
-                offset = self._carve(size)
+                offset = self._ranges.carve(size)
                 while offset is None and self.auto_evict and self._evict_one(size):
-                    offset = self._carve(size)
+                    offset = self._ranges.carve(size)
                 if offset is not None:
                     block = Block(self, offset, size, nbytes, key)
                     self._blocks.add(block)
@@ -384,10 +385,10 @@ class PinnedPool:
     def stats(self) -> PoolStats:
         with self._lock:
             self._reclaim()
-            free = sum(s for _, s in self._free) + sum(s for _, _, s in self._fenced)
+            free = self._ranges.free + sum(s for _, _, s in self._fenced)
             cached = sum(b.size for b in self._blocks if b.holders == 0)
             in_use = sum(b.size for b in self._blocks) - cached
-            largest = max((s for _, s in self._free), default=0)
+            largest = self._ranges.largest
             requested = sum(b.nbytes for b in self._blocks)
             blocks = len(self._blocks)
             closed = self._state == "closed"
@@ -442,7 +443,7 @@ class PinnedPool:
             self._blocks.clear()
             self._cache.clear()
             self._fenced.clear()
-            self._free = []
+            self._ranges.clear()
             self._state = "closed"
         for e in events:
             e.synchronize()  # no copy may read the pages once they are unregistered
@@ -467,35 +468,6 @@ class PinnedPool:
         if self._state != "open":
             raise ClosedError("the pinned pool is closed; create a new PinnedPool")
 
-    def _carve(self, size: int) -> int | None:
-        # Best fit keeps big holes for big checkpoints; ties go to the lowest address,
-        # which the background thread pins first.
-        best = None
-        for i, (_, run) in enumerate(self._free):
-            if run >= size and (best is None or run < self._free[best][1]):
-                best = i
-        if best is None:
-            return None
-        off, run = self._free[best]
-        if run == size:
-            del self._free[best]
-        else:
-            self._free[best] = (off + size, run - size)
-        return off
-
-    def _give_back(self, off: int, size: int) -> None:
-        free = self._free
-        i = 0
-        while i < len(free) and free[i][0] < off:
-            i += 1
-        free.insert(i, (off, size))
-        if i + 1 < len(free) and free[i][0] + free[i][1] == free[i + 1][0]:
-            free[i] = (free[i][0], free[i][1] + free[i + 1][1])
-            del free[i + 1]
-        if i > 0 and free[i - 1][0] + free[i - 1][1] == free[i][0]:
-            free[i - 1] = (free[i - 1][0], free[i - 1][1] + free[i][1])
-            del free[i]
-
     def _reclaim(self) -> None:
         # Event.query() does not block: ranges whose copies have ended become free.
         still = []
@@ -504,7 +476,7 @@ class PinnedPool:
             if events:
                 still.append((events, off, size))
             else:
-                self._give_back(off, size)
+                self._ranges.give_back(off, size)
         self._fenced = still
 
     def _evict_one(self, size: int) -> bool:
@@ -526,7 +498,7 @@ class PinnedPool:
             # A copy may still read the block: its bytes are reused only after it ends.
             self._fenced.append((events, block.offset, block.size))
         else:
-            self._give_back(block.offset, block.size)
+            self._ranges.give_back(block.offset, block.size)
 
     def _fence(self, block: Block, event: Any) -> None:
         if event is None:
@@ -566,7 +538,7 @@ class PinnedPool:
 
     def _exhausted(self, size: int, nbytes: int) -> PoolExhausted:
         stuck = sum(b.size for b in self._blocks)
-        largest = max((s for _, s in self._free), default=0)
+        largest = self._ranges.largest
         hint = (
             "evict cached checkpoints with pool.evict() or release blocks you hold"
             if not self.auto_evict
