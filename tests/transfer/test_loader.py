@@ -315,3 +315,29 @@ def test_cpu_tensors_outlive_everything(ckpt_file, tensors):
 def test_top_level_load_state_dict(ckpt_file, tensors):
     assert_same(nostall.load_state_dict(ckpt_file), tensors)
     assert_same(nostall.load_state_dict(os.fspath(ckpt_file), device="cpu"), tensors)
+
+
+@pytest.mark.parametrize("use_pool", [False, True])
+def test_start_into_a_caller_buffer_under_a_key(loader, pool, big_file, use_pool):
+    from nostall.errors import ArgumentError
+    from nostall.transfer.plan import LoadPlan
+
+    ref = load_file(str(big_file))
+    need = LoadPlan(nostall.checkpoint.resolve(big_file)).target_bytes
+    buf = torch.full((need + 100,), 0xEE, dtype=torch.uint8)
+    kwargs = {"pool": pool, "key": ("component", 1)} if use_pool else {}
+    pending = loader.start(big_file, into=buf, **kwargs)
+    result = pending.wait()
+    assert pending.wait() is result  # idempotent
+    assert_same(result.tensors, ref)
+    ptrs = {t.untyped_storage().data_ptr() for t in result.tensors.values() if t.numel()}
+    assert ptrs == {buf.data_ptr()}  # the tensors view the caller's buffer
+    if use_pool:
+        assert pool.cached_keys() == [("component", 1)]
+        again = loader.start(big_file, into=buf, **kwargs)
+        assert again.scenario == "memory-cache hit"
+        assert_same(again.wait().tensors, ref)
+    with pytest.raises(ArgumentError, match="needs"):
+        loader.start(big_file, into=buf[:10])
+    with pytest.raises(ArgumentError, match="uint8"):
+        loader.start(big_file, into=buf.view(torch.int16))

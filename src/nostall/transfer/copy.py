@@ -34,28 +34,36 @@ class CopyEngine:
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
-        self._first: torch.cuda.Event | None = None
-        self._last: torch.cuda.Event | None = None
 
-    def begin(self) -> None:
-        """Start a batch of copies: they will be ordered after the current stream's
-        work (the destination was allocated on it)."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        self._first = self._last = None
+    def begin(self, after: list[Any] | None = None) -> Any:
+        """Order the next copies and return a start mark.
+
+        By default they run after everything queued so far on the current stream
+        (a destination fresh from the caching allocator was allocated there). With
+        ``after``, only after those events: a destination the caller manages (the model
+        cache's device slots) needs no more, and the copies can overlap the current
+        stream's work.
+        """
+        if after is None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        else:
+            for event in after:
+                self.stream.wait_event(event)
+        return self.mark()
+
+    def mark(self) -> torch.cuda.Event:
+        """An event recorded now on the copy stream (a timing mark, and a fence)."""
+        # blocking: a thread waiting for it sleeps instead of spinning on a CPU that
+        # the reader threads need.
+        event = torch.cuda.Event(enable_timing=True, blocking=True)
+        event.record(self.stream)
+        return event
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event:
         """Copy ``src`` (host, page-locked for full speed) into ``dst`` (device)."""
         with torch.cuda.stream(self.stream):
-            if self._first is None:
-                self._first = torch.cuda.Event(enable_timing=True)
-                self._first.record(self.stream)
             dst.copy_(src, non_blocking=True)
-            # blocking: a reader thread waiting for this copy sleeps instead of spinning
-            # on a CPU that the other readers need.
-            event = torch.cuda.Event(enable_timing=True, blocking=True)
-            event.record(self.stream)
-        self._last = event
-        return event
+        return self.mark()
 
     def scratch(self, nbytes: int) -> torch.Tensor:
         """Device bytes for gathering one tensor, allocated on the copy stream: freed
@@ -68,18 +76,17 @@ class CopyEngine:
         with torch.cuda.stream(self.stream):
             dst.copy_(src)
 
-    def finish(self) -> float:
-        """Wait for every copy of the batch; make the current stream wait on them too.
+    def finish(self, start: Any) -> float:
+        """Wait for every copy issued so far; make the current stream wait on them too.
 
-        Returns the seconds the copy stream spent from the first copy to the last.
+        Returns the seconds the copy stream spent from ``start`` (a :meth:`begin` mark)
+        to its last copy or cast.
         """
+        end = self.mark()
         # The caller's stream must see the copied bytes before it reads the tensors.
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        if self._first is None or self._last is None:
-            self.stream.synchronize()
-            return 0.0
-        self.stream.synchronize()  # the last casts run after the last copy's event
-        return self._first.elapsed_time(self._last) / 1e3
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
     def abort(self) -> None:
         """Wait for everything issued, so no copy still reads host memory given back."""
@@ -96,25 +103,23 @@ class HostCopy:
 
     device = torch.device("cpu")
 
-    def __init__(self) -> None:
-        self._seconds = 0.0
+    def begin(self, after: list[Any] | None = None) -> float:
+        return self.mark()
 
-    def begin(self) -> None:
-        self._seconds = 0.0
+    def mark(self) -> float:
+        return time.perf_counter()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        t = time.perf_counter()
         dst.copy_(src)
-        self._seconds += time.perf_counter() - t
 
     def scratch(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def cast(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.copy(dst, src)
+        dst.copy_(src)
 
-    def finish(self) -> float:
-        return self._seconds
+    def finish(self, start: float) -> float:
+        return time.perf_counter() - start
 
     def abort(self) -> None:
         pass
@@ -132,9 +137,10 @@ class Transfer:
         self.plan, self.engine, self.flat = plan, engine, flat
         # slot offset -> (scratch bytes, bytes still missing)
         self._gather: dict[int, list[Any]] = {}
+        self._start: Any = None
 
-    def begin(self) -> None:
-        self.engine.begin()
+    def begin(self, after: list[Any] | None = None) -> None:
+        self._start = self.engine.begin(after)
 
     def land(self, i: int, a: int, b: int, host: torch.Tensor) -> Any:
         """Copy file ``i``'s bytes ``[a, b)``, which are in ``host`` (uint8, ``b - a`` long)."""
@@ -166,7 +172,7 @@ class Transfer:
         if self._gather:
             missing = ", ".join(f"offset {k}" for k in list(self._gather)[:3])
             raise AssertionError(f"tensors never completed their gather: {missing}")
-        return self.engine.finish()
+        return self.engine.finish(self._start)
 
     def abort(self) -> None:
         self._gather.clear()

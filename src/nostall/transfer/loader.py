@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +41,7 @@ from nostall.memory.ring import StagingRing
 from nostall.transfer.copy import CopyEngine, HostCopy, Transfer
 from nostall.transfer.plan import HOST_ALIGN, LoadPlan
 
-__all__ = ["LoadResult", "LoadStats", "Loader", "resolve_device"]
+__all__ = ["LoadResult", "LoadStats", "Loader", "PendingLoad", "resolve_device"]
 
 BUFFERED_BLOCK_BYTES = 8 << 20
 _READ_MODES = ("auto", "buffered", "direct")
@@ -195,43 +195,64 @@ class Loader:
         ``load_model`` uses that to keep ``_keep_in_fp32_modules`` in float32. Only
         tensors whose dtype changes are cast; the others are loaded as they are.
         """
+        return self.start(source, device=device, dtype=dtype, pool=pool).wait()
+
+    def start(
+        self,
+        source: str | os.PathLike | Checkpoint,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | Mapping[str, torch.dtype] | None = None,
+        pool: PinnedPool | None = None,
+        key: Hashable | None = None,
+        into: torch.Tensor | None = None,
+        after: list[Any] | None = None,
+    ) -> PendingLoad:
+        """Like :meth:`load`, but return once every copy is issued; ``wait()`` ends it.
+
+        A memory-cache hit returns as soon as its copies are queued on the copy stream,
+        so a caller can issue several components back to back, or build modules while
+        the link is busy. Loads that read return after the last byte has landed.
+
+        ``key`` caches the bytes in ``pool`` under that key instead of the files'
+        identity (the model cache keys components by content). ``into`` is a flat
+        ``uint8`` buffer on ``device`` of at least the plan's ``target_bytes`` that the
+        tensors will view (the model cache's device slots); its owner orders the copies
+        with ``after`` (events the copy stream waits for), instead of the default wait
+        for the current stream.
+        """
         t0 = time.perf_counter()
         dev = resolve_device(device)
         if pool is not None and pool.closed:
             raise ClosedError("the pinned pool passed to load() is closed")
         ckpt = source if isinstance(source, Checkpoint) else resolve(source)
         plan = LoadPlan(ckpt, dtype)
+        if into is not None:
+            _check_into(into, plan, dev)
         with self._lock:
             if self._reader is None:
                 raise ClosedError("the loader is closed; create a new Loader")
+            target = (into, after) if into is not None else None
             if pool is not None:
-                out = self._via_pool(plan, dev, pool)
+                out = self._via_pool(plan, dev, pool, key, target)
             elif dev.type == "cuda":
-                out = self._via_ring(plan, dev)
+                out = self._via_ring(plan, dev, target)
             else:
-                out = self._into_memory(plan)
-        stats = LoadStats(
-            source=ckpt.source,
-            device=str(dev),
-            scenario=out.scenario,
-            path=out.path,
-            read_mode=out.mode,
-            nbytes=ckpt.nbytes,
-            num_tensors=plan.num_tensors,
-            read_s=out.read_s,
-            h2d_s=out.h2d_s,
-            cast_s=out.cast_s,
-            total_s=time.perf_counter() - t0,
-        )
-        metadata: dict[str, str] = {}
-        for f in ckpt.files:
-            metadata.update(f.metadata)
-        return LoadResult(out.tensors, stats, metadata, ckpt)
+                out = self._into_memory(plan, target)
+        return PendingLoad(out, plan, dev, t0)
 
     # ---- the three routes --------------------------------------------------------
 
-    def _via_pool(self, plan: LoadPlan, dev: torch.device, pool: PinnedPool) -> _Outcome:
-        key = _identity(plan.checkpoint)
+    def _transfer(self, plan: LoadPlan, dev: torch.device, target) -> tuple[Transfer, Any]:
+        if target is None:
+            return Transfer(plan, self._engine(dev), _target_buffer(plan.target_bytes, dev)), None
+        into, after = target
+        return Transfer(plan, self._engine(dev), into), list(after or [])
+
+    def _via_pool(
+        self, plan: LoadPlan, dev: torch.device, pool: PinnedPool, key: Hashable | None, target
+    ) -> _Outcome:
+        key = _identity(plan.checkpoint) if key is None else key
         block = pool.lookup(key)
         hit = block is not None
         if block is None:
@@ -240,11 +261,11 @@ class Loader:
         ok = False
         try:
             # Inside the try: an out-of-memory here must still give the block back.
-            moves = Transfer(plan, self._engine(dev), _target_buffer(plan.target_bytes, dev))
+            moves, after = self._transfer(plan, dev, target)
             if hit:
-                out = self._copy_block(plan, block, moves)
+                out = self._copy_block(plan, block, moves, after)
             else:
-                out = self._read(plan, _BlockRoute(plan, block, self.chunk_bytes), moves)
+                out = self._read(plan, _BlockRoute(plan, block, self.chunk_bytes), moves, after)
                 out.path = "pool"
             ok = True
             return out
@@ -255,33 +276,51 @@ class Loader:
         finally:
             if not ok and not hit:
                 block.invalidate()  # half-read bytes must never be served as a cache hit
+            # Released with copies possibly in flight: the block's fences keep its memory
+            # from reuse until they end.
             block.release()
 
-    def _copy_block(self, plan: LoadPlan, block: Block, moves: Transfer) -> _Outcome:
-        moves.begin()
+    def _copy_block(self, plan: LoadPlan, block: Block, moves: Transfer, after) -> _Outcome:
+        moves.begin(after)
         for i, f in enumerate(plan.checkpoint.files):
             base = plan.host_base[i]
             # One copy never spans two registrations (CUDA refuses it).
             for a, b in block.split(base + f.data_start, base + f.data_end):
                 block.fence(moves.land(i, a - base, b - base, block.tensor[a:b]))
         tensors = plan.views(moves.flat)
-        return _Outcome(tensors, "memory-cache hit", "pool", "-", h2d_s=moves.finish())
+        return _Outcome(tensors, "memory-cache hit", "pool", "-", moves=moves)
 
-    def _via_ring(self, plan: LoadPlan, dev: torch.device) -> _Outcome:
+    def _via_ring(self, plan: LoadPlan, dev: torch.device, target) -> _Outcome:
         ring = self._staging_ring(dev)
         ring.reset()
-        moves = Transfer(plan, self._engine(dev), _target_buffer(plan.target_bytes, dev))
+        moves, after = self._transfer(plan, dev, target)
         try:
-            out = self._read(plan, _RingRoute(plan, ring), moves)
+            out = self._read(plan, _RingRoute(plan, ring), moves, after)
+        except BaseException:
+            moves.abort()
+            raise
         finally:
-            ring.drain()
+            ring.drain()  # the next load refills the ring from slot 0
         out.path = "ring"
         return out
 
-    def _into_memory(self, plan: LoadPlan) -> _Outcome:
+    def _into_memory(self, plan: LoadPlan, target) -> _Outcome:
+        if target is not None:
+            # A caller-owned CPU target: read through the ring-less route into our own
+            # memory first would hold two copies; copy chunk by chunk instead.
+            moves, _ = self._transfer(plan, torch.device("cpu"), target)
+            arena = HostArena(plan.host_bytes, segment_bytes=round_up(plan.host_bytes, PAGE))
+            try:
+                out = self._read(
+                    plan, _ArenaRoute(plan, arena, self.chunk_bytes, copies=True), moves, None
+                )
+            finally:
+                arena.close()
+            out.path = "host"
+            return out
         nbytes = plan.host_bytes
         arena = HostArena(nbytes, segment_bytes=round_up(nbytes, PAGE))
-        out = self._read(plan, _ArenaRoute(plan, arena, self.chunk_bytes), None)
+        out = self._read(plan, _ArenaRoute(plan, arena, self.chunk_bytes), None, None)
         host = arena.tensor
         arena.close()  # nothing is registered; the tensors keep the mapping alive
         tensors = plan.source_views(host)
@@ -300,8 +339,13 @@ class Loader:
 
     # ---- the shared read → copy loop ---------------------------------------------
 
-    def _read(self, plan: LoadPlan, route: _Route, moves: Transfer | None) -> _Outcome:
-        """Read every range the route asks for; as each lands, copy it (``moves``)."""
+    def _read(
+        self, plan: LoadPlan, route: _Route, moves: Transfer | None, after: list[Any] | None
+    ) -> _Outcome:
+        """Read every range the route asks for; as each lands, copy it (``moves``).
+
+        Returns once every range has landed and its copies are issued; the caller ends
+        the copies with ``moves.finish()``."""
         assert self._reader is not None
         files: list[ReadBackend] = []
         handle = None
@@ -316,7 +360,7 @@ class Loader:
                         ReadRequest(files[i], a, b - a, expected, route.dest(i, a, b), (i, a, b))
                     )
             if moves is not None:
-                moves.begin()
+                moves.begin(after)
             t0 = time.perf_counter()
             handle = self._reader.submit(requests)
             # Views need the buffer, not its bytes: build them while the reads run.
@@ -325,8 +369,8 @@ class Loader:
                 event = moves.land(i, a, b, route.host(i, a, b)) if moves is not None else None
                 route.landed(i, a, b, event)
             read_s = time.perf_counter() - t0
-            h2d_s = moves.finish() if moves is not None else 0.0
-            return _Outcome(tensors, "read", "", files[0].name if files else "-", read_s, h2d_s)
+            mode = files[0].name if files else "-"
+            return _Outcome(tensors, "read", "", mode, read_s, moves=moves)
         except BaseException:
             if handle is not None:
                 handle.cancel()  # no reader thread may still write into memory we give back
@@ -389,8 +433,52 @@ class _Outcome:
     path: str
     mode: str
     read_s: float = 0.0
-    h2d_s: float = 0.0
     cast_s: float = 0.0
+    moves: Transfer | None = None
+
+
+class PendingLoad:
+    """A load whose copies may still be running; :meth:`wait` finishes it (once).
+
+    The tensors may be looked at (shapes, dtypes, addresses) before ``wait()``; their
+    values are only there after it.
+    """
+
+    def __init__(self, out: _Outcome, plan: LoadPlan, dev: torch.device, t0: float):
+        self._out, self._plan, self._dev, self._t0 = out, plan, dev, t0
+        self._result: LoadResult | None = None
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return self._out.tensors
+
+    @property
+    def scenario(self) -> str:
+        return self._out.scenario
+
+    def wait(self) -> LoadResult:
+        """Wait for the copies; the current stream is ordered after them. Idempotent."""
+        if self._result is None:
+            out, ckpt = self._out, self._plan.checkpoint
+            h2d_s = out.moves.finish() if out.moves is not None else 0.0
+            stats = LoadStats(
+                source=ckpt.source,
+                device=str(self._dev),
+                scenario=out.scenario,
+                path=out.path,
+                read_mode=out.mode,
+                nbytes=ckpt.nbytes,
+                num_tensors=self._plan.num_tensors,
+                read_s=out.read_s,
+                h2d_s=h2d_s,
+                cast_s=out.cast_s,
+                total_s=time.perf_counter() - self._t0,
+            )
+            metadata: dict[str, str] = {}
+            for f in ckpt.files:
+                metadata.update(f.metadata)
+            self._result = LoadResult(out.tensors, stats, metadata, ckpt)
+        return self._result
 
 
 class _Route:
@@ -481,11 +569,17 @@ class _RingRoute(_Route):
 
 
 class _ArenaRoute(_Route):
-    """Into memory the returned CPU tensors will own, in the plan's host layout."""
+    """Into page-aligned host memory in the plan's host layout: the returned CPU tensors'
+    own memory, or (``copies``) a staging area copied chunk by chunk to a given target."""
 
-    def __init__(self, plan: LoadPlan, arena: HostArena, chunk_bytes: int):
+    def __init__(self, plan: LoadPlan, arena: HostArena, chunk_bytes: int, copies: bool = False):
         self.plan, self.chunk_bytes = plan, chunk_bytes
         self._view = arena.view(0, arena.nbytes)
+        self._host = arena.tensor if copies else None
+
+    def host(self, i, a, b):
+        lo = self.plan.host_base[i]
+        return self._host[lo + a : lo + b]
 
     def ranges(self, i):
         return _chunks(0, self.plan.host_span[i], self.chunk_bytes)
@@ -517,6 +611,18 @@ def _identity(ckpt: Checkpoint) -> tuple:
             )
         )
     return ("nostall-checkpoint", tuple(ids))
+
+
+def _check_into(into: torch.Tensor, plan: LoadPlan, dev: torch.device) -> None:
+    if not isinstance(into, torch.Tensor) or into.dtype != torch.uint8 or into.dim() != 1:
+        raise ArgumentError(f"into= must be a flat uint8 tensor, got {into!r:.80}")
+    if into.device != dev:
+        raise ArgumentError(f"into= is on {into.device}, the load goes to {dev}")
+    if into.numel() < plan.target_bytes or not into.is_contiguous():
+        raise ArgumentError(
+            f"into= holds {into.numel()} bytes; this checkpoint needs {plan.target_bytes} "
+            "contiguous bytes"
+        )
 
 
 def _target_buffer(nbytes: int, dev: torch.device) -> torch.Tensor:
