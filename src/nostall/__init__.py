@@ -8,9 +8,11 @@ Nothing here touches CUDA at import: streams, pools and threads belong to the
 objects that create them.
 """
 
-from nostall.api import default_loader, load_model, load_state_dict
+from nostall.api import load_model, load_state_dict
+from nostall.cache import CacheStats, ModelCache, SwitchReport
 from nostall.errors import (
     ArgumentError,
+    BudgetExceeded,
     BusyError,
     CheckpointError,
     ClosedError,
@@ -21,6 +23,7 @@ from nostall.errors import (
     PoolExhausted,
     ReadError,
     SinkError,
+    UnknownModel,
     UnsupportedError,
 )
 from nostall.memory.pool import PinnedPool, PoolStats
@@ -30,7 +33,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArgumentError",
+    "BudgetExceeded",
     "BusyError",
+    "CacheStats",
     "CheckpointError",
     "ClosedError",
     "DeviceError",
@@ -38,6 +43,7 @@ __all__ = [
     "LoadResult",
     "LoadStats",
     "Loader",
+    "ModelCache",
     "ModelMismatchError",
     "NostallError",
     "PinnedPool",
@@ -45,9 +51,10 @@ __all__ = [
     "PoolStats",
     "ReadError",
     "SinkError",
+    "SwitchReport",
+    "UnknownModel",
     "UnsupportedError",
     "__version__",
-    "default_loader",
     "load_model",
     "load_state_dict",
 ]

@@ -13,6 +13,8 @@ cases apart by type (never by message text)::
     ├── BusyError                a pool cannot close: blocks are still held by loads
     ├── DeviceError              the requested device is unusable (no CUDA, bad index)
     ├── ClosedError              a pool, loader or pipeline was used after ``close()``
+    ├── UnknownModel             the model cache has no pipeline of that name
+    ├── BudgetExceeded           a cache tier cannot hold what a switch needs
     ├── UnsupportedError         a model class, library version or mode nostall cannot drive
     ├── LatentsError             latents of the wrong rank, channels, dtype, device or values
     └── SinkError                a frame sink failed (disk full, closed, bad path)
@@ -28,6 +30,7 @@ import os
 
 __all__ = [
     "ArgumentError",
+    "BudgetExceeded",
     "BusyError",
     "CheckpointError",
     "ClosedError",
@@ -38,6 +41,7 @@ __all__ = [
     "PoolExhausted",
     "ReadError",
     "SinkError",
+    "UnknownModel",
     "UnsupportedError",
 ]
 
@@ -142,6 +146,36 @@ class DeviceError(NostallError):
 
 class ClosedError(NostallError):
     """An object that owns threads, streams or memory was used after ``close()``."""
+
+
+class UnknownModel(NostallError):
+    """The model cache's store has no pipeline of that name.
+
+    Attributes:
+        name: the name asked for.
+        available: every name the store has.
+        close: the names that look like it.
+    """
+
+    def __init__(self, message: str, *, name: str, available: list[str], close: list[str]):
+        self.name, self.available, self.close = name, list(available), list(close)
+        super().__init__(message)
+
+
+class BudgetExceeded(NostallError):
+    """A tier of the model cache cannot hold what a switch needs, even after evicting
+    everything not in use.
+
+    Attributes:
+        tier: ``"gpu"`` (the device tier) or ``"host"``.
+        requested: bytes the switch needed in that tier.
+        budget: the tier's byte budget.
+        in_use: bytes held by pipelines in use (or being prefetched).
+    """
+
+    def __init__(self, message: str, *, tier: str, requested: int, budget: int, in_use: int):
+        self.tier, self.requested, self.budget, self.in_use = tier, requested, budget, in_use
+        super().__init__(message)
 
 
 class UnsupportedError(NostallError):

@@ -59,10 +59,14 @@ class CopyEngine:
         event.record(self.stream)
         return event
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event:
-        """Copy ``src`` (host, page-locked for full speed) into ``dst`` (device)."""
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` (host, page-locked for full speed) into ``dst`` (device); the
+        source may be reused once a later :meth:`fence` has completed."""
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
+
+    def fence(self) -> torch.cuda.Event:
+        """The event after everything issued so far (what a host buffer waits for)."""
         return self.mark()
 
     def scratch(self, nbytes: int) -> torch.Tensor:
@@ -76,17 +80,21 @@ class CopyEngine:
         with torch.cuda.stream(self.stream):
             dst.copy_(src)
 
-    def finish(self, start: Any) -> float:
-        """Wait for every copy issued so far; make the current stream wait on them too.
+    def finish(self, start: Any, *, join: bool = True) -> tuple[float, Any]:
+        """Wait for every copy issued so far; with ``join``, make the current stream wait
+        on them too.
 
         Returns the seconds the copy stream spent from ``start`` (a :meth:`begin` mark)
-        to its last copy or cast.
+        to its last copy or cast, and the event that marks that end: a thread that did
+        not join (a prefetch, whose current stream is busy computing) hands it to the
+        consumer, whose stream waits for it before reading the tensors.
         """
         end = self.mark()
-        # The caller's stream must see the copied bytes before it reads the tensors.
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        if join:
+            # The caller's stream must see the copied bytes before it reads the tensors.
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
         end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return start.elapsed_time(end) / 1e3, end
 
     def abort(self) -> None:
         """Wait for everything issued, so no copy still reads host memory given back."""
@@ -109,6 +117,9 @@ class HostCopy:
     def mark(self) -> float:
         return time.perf_counter()
 
+    def fence(self) -> None:
+        return None  # copies are done when they return
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
@@ -118,8 +129,8 @@ class HostCopy:
     def cast(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
-    def finish(self, start: float) -> float:
-        return time.perf_counter() - start
+    def finish(self, start: float, *, join: bool = True) -> tuple[float, None]:
+        return time.perf_counter() - start, None
 
     def abort(self) -> None:
         pass
@@ -138,41 +149,44 @@ class Transfer:
         # slot offset -> (scratch bytes, bytes still missing)
         self._gather: dict[int, list[Any]] = {}
         self._start: Any = None
+        self.done: Any = None  # after finish(): the event that marks the end of the copies
 
     def begin(self, after: list[Any] | None = None) -> None:
         self._start = self.engine.begin(after)
 
     def land(self, i: int, a: int, b: int, host: torch.Tensor) -> Any:
         """Copy file ``i``'s bytes ``[a, b)``, which are in ``host`` (uint8, ``b - a`` long)."""
-        event = None
         for p in self.plan.pieces(i, a, b):
             src = host[p.lo - a : p.hi - a]
             if isinstance(p, Copy):
-                event = self.engine.copy(self.flat[p.offset : p.offset + p.hi - p.lo], src)
+                self.engine.copy(self.flat[p.offset : p.offset + p.hi - p.lo], src)
             else:
-                event = self._gather_piece(p, src)
-        return event
+                self._gather_piece(p, src)
+        # One event for the range: copies on one stream complete in order.
+        return self.engine.fence()
 
-    def _gather_piece(self, p: Cast, src: torch.Tensor) -> Any:
+    def _gather_piece(self, p: Cast, src: torch.Tensor) -> None:
         s: Slot = p.slot
         entry = self._gather.get(s.offset)
         if entry is None:
             entry = self._gather[s.offset] = [self.engine.scratch(s.end - s.begin), s.end - s.begin]
         scratch = entry[0]
-        event = self.engine.copy(scratch[p.lo - s.begin : p.hi - s.begin], src)
+        self.engine.copy(scratch[p.lo - s.begin : p.hi - s.begin], src)
         entry[1] -= p.hi - p.lo
         if entry[1] == 0:
             # Stream order: the cast runs after every copy into the scratch bytes.
             dst = self.flat[s.offset : s.offset + s.target_bytes].view(s.target).view(s.shape)
             self.engine.cast(dst, scratch.view(s.source).view(s.shape))
             del self._gather[s.offset]
-        return event
 
-    def finish(self) -> float:
+    def finish(self, *, join: bool = True) -> float:
+        """Wait for the copies; returns their seconds on the copy stream (see
+        :meth:`CopyEngine.finish` for ``join``)."""
         if self._gather:
             missing = ", ".join(f"offset {k}" for k in list(self._gather)[:3])
             raise AssertionError(f"tensors never completed their gather: {missing}")
-        return self.engine.finish(self._start)
+        seconds, self.done = self.engine.finish(self._start, join=join)
+        return seconds
 
     def abort(self) -> None:
         self._gather.clear()

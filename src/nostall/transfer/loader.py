@@ -226,7 +226,7 @@ class Loader:
         if pool is not None and pool.closed:
             raise ClosedError("the pinned pool passed to load() is closed")
         ckpt = source if isinstance(source, Checkpoint) else resolve(source)
-        plan = LoadPlan(ckpt, dtype)
+        plan = LoadPlan(ckpt, dtype, mirror_file=dev.type == "cpu")
         if into is not None:
             _check_into(into, plan, dev)
         with self._lock:
@@ -247,7 +247,7 @@ class Loader:
         if target is None:
             return Transfer(plan, self._engine(dev), _target_buffer(plan.target_bytes, dev)), None
         into, after = target
-        return Transfer(plan, self._engine(dev), into), list(after or [])
+        return Transfer(plan, self._engine(dev), into), None if after is None else list(after)
 
     def _via_pool(
         self, plan: LoadPlan, dev: torch.device, pool: PinnedPool, key: Hashable | None, target
@@ -456,11 +456,19 @@ class PendingLoad:
     def scenario(self) -> str:
         return self._out.scenario
 
-    def wait(self) -> LoadResult:
-        """Wait for the copies; the current stream is ordered after them. Idempotent."""
+    @property
+    def done(self) -> Any:
+        """After :meth:`wait`: the CUDA event that marks the end of the copies (``None``
+        on a CPU or when nothing was copied)."""
+        return self._out.moves.done if self._out.moves is not None else None
+
+    def wait(self, *, join: bool = True) -> LoadResult:
+        """Wait for the copies. With ``join`` (the default) the current stream is ordered
+        after them; without, the caller orders its consumer with :attr:`done`.
+        Idempotent."""
         if self._result is None:
             out, ckpt = self._out, self._plan.checkpoint
-            h2d_s = out.moves.finish() if out.moves is not None else 0.0
+            h2d_s = out.moves.finish(join=join) if out.moves is not None else 0.0
             stats = LoadStats(
                 source=ckpt.source,
                 device=str(self._dev),

@@ -6,13 +6,18 @@ It fixes two layouts:
 * **host**: each file, from byte 0, at a 4 KiB-aligned offset of the host buffer
   (a pool block, a staging slot, or a CPU load's own memory), so file and host
   offsets share their alignment — what ``O_DIRECT`` needs;
-* **target**: each tensor's offset in the flat buffer the returned tensors view.
-  When no tensor changes dtype, the files' data sections are packed as they are
-  (one copy per chunk, whatever tensors it holds). When some do, every tensor gets
-  its own slot sized for its *target* dtype: tensors that keep their dtype are
-  copied straight there, the others are gathered and cast one at a time
-  (:class:`~nostall.transfer.copy.Transfer`). Peak memory is then the target
-  checkpoint plus the tensors being cast — never two full copies.
+* **target**: each tensor's offset in the flat buffer the returned tensors view,
+  chosen so kernels see the alignment they see after ``from_pretrained`` — outputs
+  then match it bit for bit (CPU matmuls sum in another order when a weight is 16-byte
+  misaligned; GPU kernels lose vectorised loads). On a GPU every tensor starts on a
+  256-byte boundary, as the caching allocator places it; on the CPU
+  (``mirror_file=True``) a tensor keeps its file offset modulo 256, as the mmap
+  views that ``from_pretrained`` computes with there. A tensor that changes dtype gets room for its
+  *target* dtype and is gathered and cast on its own
+  (:class:`~nostall.transfer.copy.Transfer`): peak memory is the target checkpoint
+  plus the tensors being cast — never two full copies. When the files' own offsets
+  are already aligned and nothing is cast, the data sections are copied as they are,
+  one copy per chunk.
 """
 
 from __future__ import annotations
@@ -93,6 +98,8 @@ class LoadPlan:
         self,
         checkpoint: Checkpoint,
         dtype: torch.dtype | Mapping[str, torch.dtype] | None = None,
+        *,
+        mirror_file: bool = False,
     ):
         self.checkpoint = checkpoint
         files = checkpoint.files
@@ -127,22 +134,31 @@ class LoadPlan:
             target = want if want is not None and source in CASTABLE else source
             raw.append((i, e, source, target))
         self.casts = any(source != target for _, _, source, target in raw)
+        aligned = all((e.begin - files[i].data_start) % TARGET_ALIGN == 0 for i, e, _, _ in raw)
+        self.packed = (aligned or mirror_file) and not self.casts
+
+        def place(d: int, mod: int) -> int:
+            # The first offset >= d that is congruent to mod (mod TARGET_ALIGN).
+            return d + (mod - d) % TARGET_ALIGN
 
         slots: list[Slot] = []
-        if not self.casts:
-            # Data sections packed as they are: a chunk is one copy, whatever it holds.
+        if self.packed:
+            # Data sections as they are: a chunk is one copy, whatever it holds.
             dev_base, d = [], 0
             for f in files:
-                dev_base.append(d)
-                d = round_up(d + f.data_bytes, TARGET_ALIGN)
+                base = place(d, f.data_start % TARGET_ALIGN) if mirror_file else d
+                dev_base.append(base - f.data_start)
+                d = round_up(base + f.data_bytes, TARGET_ALIGN)
             for i, e, source, target in raw:
-                off = dev_base[i] + e.begin - files[i].data_start
-                slots.append(Slot(e.name, i, e.begin, e.end, e.shape, source, target, off))
+                slots.append(
+                    Slot(e.name, i, e.begin, e.end, e.shape, source, target, dev_base[i] + e.begin)
+                )
             self._dev_base = dev_base
         else:
             d = 0
             for i, e, source, target in raw:
-                d = round_up(d, TARGET_ALIGN)
+                keep = mirror_file and source == target
+                d = place(d, e.begin % TARGET_ALIGN if keep else 0)
                 slot = Slot(e.name, i, e.begin, e.end, e.shape, source, target, d)
                 slots.append(slot)
                 d += slot.target_bytes
@@ -165,10 +181,10 @@ class LoadPlan:
         """The copies for file ``i``'s bytes ``[a, b)`` (file offsets), once they are in
         host memory."""
         f = self.checkpoint.files[i]
-        if not self.casts:
+        if self.packed:
             lo, hi = max(a, f.data_start), min(b, f.data_end)
             if lo < hi:
-                yield Copy(lo, hi, self._dev_base[i] + lo - f.data_start)
+                yield Copy(lo, hi, self._dev_base[i] + lo)
             return
         lst = self._by_file[i]
         k = max(0, bisect.bisect_right(self._begins[i], a) - 1)
@@ -183,20 +199,13 @@ class LoadPlan:
             k += 1
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The tensors as views of the flat target buffer (``uint8``, ``target_bytes`` long).
-
-        A tensor whose offset is not a multiple of its element size cannot be a view
-        (a packed file whose writer did not align it; safetensors writers do); it is
-        copied.
-        """
+        """The tensors as views of the flat target buffer (``uint8``, ``target_bytes`` long)."""
         out: dict[str, torch.Tensor] = {}
         for s in self.slots:
             if s.numel == 0:
                 out[s.name] = torch.empty(s.shape, dtype=s.target, device=flat.device)
                 continue
             raw = flat[s.offset : s.offset + s.target_bytes]
-            if s.offset % s.target.itemsize:
-                raw = raw.clone()
             out[s.name] = raw.view(s.target).view(s.shape)
         return out
 

@@ -1,0 +1,69 @@
+"""Persistent modules: built once on ``meta``, then pointed at device slots.
+
+An instance is one module object of one architecture. Its parameters are views into
+the device tier; binding it to a slot points them there (``adopt``: new ``Parameter``
+objects over the slot's bytes, no copy). Two facts keep switches cheap:
+
+* a component that goes back to the offset it had (the device tier places it there
+  when that range is free) finds its instance's views still right: nothing to bind;
+* a same-architecture switch copies the new weights into the slot the instance
+  already views: its parameters, and any graph ``torch.compile`` captured over them,
+  stay as they are.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from nostall.assemble import adopt, build_empty, resolve_model_class, target_dtypes
+from nostall.cache.device import Slot
+from nostall.cache.store import ComponentEntry
+
+__all__ = ["Instance", "build_instance"]
+
+
+@dataclass(eq=False)
+class Instance:
+    """One module of architecture ``arch``.
+
+    ``digest``: the content its parameters hold (or will once the copies end);
+    ``slot``: its slot in the device tier while resident; ``offset``: the slot offset
+    its parameter views point at (kept after eviction: if the content comes back
+    there, the views are right again).
+    """
+
+    arch: str
+    module: nn.Module
+    targets: dict[str, torch.dtype] | None
+    digest: str | None = None
+    slot: Slot | None = None
+    offset: int | None = None
+    build_s: float = field(default=0.0)
+
+    def bind(
+        self, tensors: dict[str, torch.Tensor], slot: Slot, c: ComponentEntry, device: torch.device
+    ) -> float:
+        """Point the parameters at ``tensors`` (views of ``slot``); returns the seconds it
+        took (zero when they already point there)."""
+        self.slot, self.digest = slot, c.digest
+        if self.offset == slot.offset:
+            return 0.0
+        t = time.perf_counter()
+        adopt(self.module, tensors, device=device, strict=True, path=c.folder)
+        self.offset = slot.offset
+        return time.perf_counter() - t
+
+
+def build_instance(c: ComponentEntry, dtype: torch.dtype | None) -> Instance:
+    """Build ``c``'s module on ``meta`` (no init, no weights) and its per-tensor dtypes."""
+    t = time.perf_counter()
+    cls = resolve_model_class(c.folder)
+    module = build_empty(cls, c.folder, dtype=dtype)
+    targets = target_dtypes(module, dtype) if dtype is not None else None
+    inst = Instance(c.arch or c.digest, module, targets)
+    inst.build_s = time.perf_counter() - t
+    return inst

@@ -1,0 +1,146 @@
+"""Real diffusers pipeline objects around the cache's modules.
+
+``DiffusionPipeline.from_pretrained`` loads every component anew. Here the weights
+components are the cache's persistent modules; tokenizers, image processors and the
+like are loaded from their folders once and shared by every pipeline whose files are
+the same (by digest); schedulers, which keep per-run state, are built per pipeline
+object from a cached config. The pipeline is constructed exactly as diffusers does:
+the index's components by keyword, its other keys (``force_zeros_for_empty_prompt``)
+as pipeline options, and ``_name_or_path`` registered.
+
+Each pipeline object is an instance of a subclass of the folder's pipeline class that
+adds one check to ``__call__``: a pipeline whose components were switched out since
+(evicted, or a shared module now holding another checkpoint's weights) raises
+:class:`~nostall.ClosedError` instead of computing with the wrong weights.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+from nostall.cache.store import ComponentEntry, PipelineEntry
+from nostall.errors import CheckpointError, UnsupportedError
+
+__all__ = ["Assembler"]
+
+
+class Assembler:
+    """Files components (cached by digest) and pipeline classes (with the call check)."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, Any] = {}
+        self._scheduler_configs: dict[str, tuple[type, dict]] = {}
+        self._guarded: dict[type, type] = {}
+
+    def files_component(self, c: ComponentEntry) -> Any:
+        cls = _import(c.library, c.class_name, c.folder)
+        if _is_scheduler(cls):
+            cached = self._scheduler_configs.get(c.digest)
+            if cached is None:
+                try:
+                    config = cls.load_config(c.folder)
+                except Exception as e:
+                    raise CheckpointError(
+                        f"cannot read the scheduler config: {e}", path=c.folder
+                    ) from e
+                cached = self._scheduler_configs[c.digest] = (cls, config)
+            return cached[0].from_config(cached[1])  # per-run state: one per pipeline object
+        obj = self._files.get(c.digest)
+        if obj is None:
+            try:
+                obj = cls.from_pretrained(c.folder, local_files_only=True)
+            except Exception as e:
+                raise CheckpointError(
+                    f"cannot load component {c.role!r} ({c.library}.{c.class_name}) from its "
+                    f"folder: {type(e).__name__}: {e}",
+                    path=c.folder,
+                ) from e
+            self._files[c.digest] = obj
+        return obj
+
+    def build(
+        self, entry: PipelineEntry, modules: dict[str, Any], check: Callable[[], None]
+    ) -> Any:
+        """The pipeline of ``entry`` with ``modules`` (role → module) as its weights."""
+        base = _import("diffusers", entry.class_name, entry.folder)
+        cls = self._guarded_class(base)
+        expected, optional = base._get_signature_keys(base)
+        optional_components = set(getattr(base, "_optional_components", []) or [])
+        init_dict, _, _ = base.extract_init_dict(dict(entry.config))
+        kwargs: dict[str, Any] = {
+            k: init_dict[k] for k in optional if k in init_dict and k not in optional_components
+        }
+        for role in expected:
+            if role in modules:
+                kwargs[role] = modules[role]
+            elif role in entry.components:
+                c = entry.components[role]
+                kwargs[role] = None if c is None else self.files_component(c)
+            elif role in optional_components or role in optional:
+                kwargs.setdefault(role, None)
+            else:
+                raise CheckpointError(
+                    f"{entry.class_name} needs component {role!r}, which model_index.json does "
+                    "not list; the pipeline folder is incomplete",
+                    path=os.path.join(entry.folder, "model_index.json"),
+                )
+        try:
+            pipe = cls(**kwargs)
+        except Exception as e:
+            raise CheckpointError(
+                f"{entry.class_name}(...) refused the components: {type(e).__name__}: {e}",
+                path=entry.folder,
+            ) from e
+        pipe.register_to_config(_name_or_path=entry.folder)
+        # A plain attribute (not a registered module): DiffusionPipeline.__setattr__
+        # only records modules and config values.
+        object.__setattr__(pipe, "_nostall_check", check)
+        return pipe
+
+    def _guarded_class(self, base: type) -> type:
+        cls = self._guarded.get(base)
+        if cls is None:
+
+            def __call__(self, *args: Any, **kwargs: Any) -> Any:
+                check = getattr(self, "_nostall_check", None)
+                if check is not None:
+                    check()
+                return base.__call__(self, *args, **kwargs)
+
+            __call__.__doc__ = base.__call__.__doc__
+            cls = type(
+                base.__name__,
+                (base,),
+                {"__call__": __call__, "__module__": base.__module__, "__doc__": base.__doc__},
+            )
+            self._guarded[base] = cls
+        return cls
+
+
+def _import(library: str, name: str, where: str) -> type:
+    try:
+        lib = importlib.import_module(library)
+    except ImportError as e:
+        raise UnsupportedError(
+            f"{where}: needs {library}.{name}, but {library} is not importable ({e}); "
+            f"pip install {library}"
+        ) from e
+    obj = getattr(lib, name, None)
+    if not isinstance(obj, type):
+        version = getattr(lib, "__version__", "?")
+        raise UnsupportedError(
+            f"{where}: {library} {version} has no class {name!r}; the folder may need a newer "
+            f"{library}, or custom code, which nostall does not run"
+        )
+    return obj
+
+
+def _is_scheduler(cls: type) -> bool:
+    try:
+        from diffusers import SchedulerMixin
+    except ImportError:
+        return False
+    return issubclass(cls, SchedulerMixin)

@@ -1,0 +1,120 @@
+"""What a switch did: per component, the tier that served it and what each phase cost.
+
+The words are the seed's: **read** (disk → host memory), **copy** (host → device),
+**build** (module construction on ``meta`` and re-pointing parameters). A component
+found on the device costs nothing; one in the host tier costs a copy; one on disk
+costs a read and a copy, overlapped chunk by chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = ["ComponentSwitch", "SwitchReport"]
+
+
+@dataclass(frozen=True)
+class ComponentSwitch:
+    """One component of one switch.
+
+    Attributes:
+        role: its name in the pipeline (``"transformer"``).
+        class_name: the module's class.
+        digest: the first 12 hex digits of its content digest.
+        nbytes: its weights' bytes on the device.
+        tier: where it came from: ``"gpu"`` (already there; ``"device"`` on a CPU cache),
+            ``"host"`` (the pinned host tier), ``"disk"`` (read; the OS page cache may
+            have served it).
+        cached: for ``"disk"``, whether the bytes were kept in the host tier.
+        in_place: copied into a resident module of the same architecture (its
+            storage, and any compiled graph, unchanged).
+        read_s: storage → host memory, reads overlapping the copies.
+        copy_s: host → device on the copy stream (first to last copy).
+        build_s: building the module (first time only) and pointing its parameters
+            at the new memory.
+    """
+
+    role: str
+    class_name: str
+    digest: str
+    nbytes: int
+    tier: str
+    cached: bool = False
+    in_place: bool = False
+    read_s: float = 0.0
+    copy_s: float = 0.0
+    build_s: float = 0.0
+
+    @property
+    def moved(self) -> int:
+        return 0 if self.tier in ("gpu", "device") else self.nbytes
+
+
+@dataclass(frozen=True)
+class SwitchReport:
+    """One switch to ``pipeline``: ``total_s`` from the call to a pipeline ready on the device.
+
+    ``wait_s`` is the part spent waiting for room (pipelines in use elsewhere) or for a
+    prefetch of the same pipeline to finish; ``evicted`` names the components (role
+    and digest) that left the device tier to make room.
+    """
+
+    pipeline: str
+    device: str
+    total_s: float
+    components: tuple[ComponentSwitch, ...]
+    evicted: tuple[str, ...] = ()
+    prefetch: bool = False
+    wait_s: float = 0.0
+
+    @property
+    def moved_bytes(self) -> int:
+        return sum(c.moved for c in self.components)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.components)
+
+    @property
+    def gbps(self) -> float:
+        return self.moved_bytes / self.total_s / 1e9 if self.total_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["moved_bytes"] = self.moved_bytes
+        d["gbps"] = self.gbps
+        return d
+
+    def table(self):
+        """A ``rich`` table of the components (``nostall switch`` prints one per switch)."""
+        from rich.table import Table
+
+        title = (
+            f"{'prefetch ' if self.prefetch else ''}switch → {self.pipeline} on {self.device}: "
+            f"{self.total_s:.3f} s, moved {self.moved_bytes / 1e9:.2f} of {self.nbytes / 1e9:.2f} GB"
+            + (f" ({self.gbps:.1f} GB/s)" if self.moved_bytes else "")
+        )
+        table = Table(title=title, title_justify="left")
+        for col in ("component", "class", "GB", "tier", "read s", "copy s", "build s", "note"):
+            table.add_column(
+                col, justify="left" if col in ("component", "class", "tier", "note") else "right"
+            )
+        for c in self.components:
+            note = []
+            if c.in_place:
+                note.append("in place")
+            if c.tier == "disk":
+                note.append("kept in host tier" if c.cached else "not admitted to host tier")
+            table.add_row(
+                c.role,
+                c.class_name,
+                f"{c.nbytes / 1e9:.3f}",
+                c.tier,
+                f"{c.read_s:.3f}" if c.tier == "disk" else "-",
+                f"{c.copy_s:.3f}" if c.moved else "-",
+                f"{c.build_s:.3f}" if c.build_s else "-",
+                ", ".join(note),
+            )
+        if self.evicted:
+            table.caption = f"evicted from the device: {', '.join(self.evicted)}"
+        return table

@@ -1,0 +1,25 @@
+"""Running the tiny pipelines the same way in every test."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def run(pipe, name: str, *, device: str = "cpu") -> np.ndarray:
+    """Two denoising steps at 32x32 (5 frames of 16x16 for Wan), fixed seed."""
+    g = torch.Generator(device=device).manual_seed(0)
+    kw = dict(prompt="a cat", num_inference_steps=2, generator=g, output_type="np")
+    if name == "wan":
+        return pipe(height=16, width=16, num_frames=5, max_sequence_length=16, **kw).frames
+    if name.startswith("flux"):
+        kw["max_sequence_length"] = 16
+    return pipe(height=32, width=32, **kw).images
+
+
+def reference(folder, name: str, *, device: str = "cpu") -> np.ndarray:
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(str(folder / name)).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    return run(pipe, name, device=device)

@@ -1,0 +1,233 @@
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import nostall
+from nostall.errors import ArgumentError, BudgetExceeded, ClosedError, UnknownModel
+
+from cache_support import reference, run
+
+MB = 1 << 20
+
+
+@pytest.fixture
+def cache(store):
+    with nostall.ModelCache(store, device="cpu", gpu_budget=64 * MB, host_budget=64 * MB) as c:
+        yield c
+
+
+def _tiers(report):
+    return {c.role: c.tier for c in report.components}
+
+
+def test_images_equal_from_pretrained_across_switches_and_back(store, cache):
+    refs = {}
+    for name in ("flux", "sdxl", "flux", "flux-b", "sd3", "wan", "flux"):
+        with cache.use(name) as pipe:
+            out = run(pipe, name)
+        if name not in refs:
+            refs[name] = reference(store, name)
+        assert np.array_equal(out, refs[name]), name
+        assert type(pipe).__name__ == cache.store.entry(name).class_name
+    first, back = [r for r in cache.reports if r.pipeline == "flux"][::2][:2]
+    assert set(_tiers(first).values()) == {"disk"}
+    assert set(_tiers(back).values()) == {"device"}  # still resident: nothing moved
+
+
+def test_a_pipeline_sharing_components_moves_only_what_differs(cache):
+    cache.pipeline("flux")
+    report = cache.pipeline("flux-b") and cache.last_report
+    assert _tiers(report) == {
+        "text_encoder": "device",
+        "text_encoder_2": "device",
+        "transformer": "disk",
+        "vae": "device",
+    }
+    assert report.moved_bytes == report.components[2].nbytes
+    s = cache.stats()
+    shared = [d for d, c in s.components.items() if c["pipelines"] == ["flux", "flux-b"]]
+    assert len(shared) == 3
+
+
+def test_same_architecture_switch_copies_in_place(store):
+    # A device tier that holds one FLUX-family pipeline: flux-b's transformer must go
+    # into flux's transformer module and memory.
+    with nostall.ModelCache(
+        store, device="cpu", gpu_budget=800_000, host_budget=64 * MB, watermark=1.0
+    ) as c:
+        a = c.pipeline("flux")
+        module = a.transformer
+        ptrs = {n: p.data_ptr() for n, p in module.named_parameters()}
+        b = c.pipeline("flux-b")
+        row = next(x for x in c.last_report.components if x.role == "transformer")
+        assert row.in_place and row.tier == "disk"
+        assert b.transformer is module  # the same module object: compiled graphs survive
+        assert {n: p.data_ptr() for n, p in module.named_parameters()} == ptrs
+        assert np.array_equal(run(b, "flux-b"), reference(store, "flux-b"))
+        with pytest.raises(ClosedError, match="switched out"):
+            run(a, "flux")  # its transformer holds flux-b's weights now
+        a = c.pipeline("flux")
+        assert c.last_report.components[2].tier == "host"  # back from the host tier
+        assert np.array_equal(run(a, "flux"), reference(store, "flux"))
+
+
+def test_budgets_are_bytes_and_never_exceeded(store):
+    with nostall.ModelCache(store, device="cpu", gpu_budget=3 * MB, host_budget=6 * MB) as c:
+        for name in ("flux", "sdxl", "sd3", "wan", "flux-b", "sdxl", "flux"):
+            c.pipeline(name)
+            s = c.stats()
+            assert s.gpu_bytes <= s.gpu_budget
+            assert s.host_bytes <= s.host_budget
+            tiers = {d: x["tier"] for d, x in s.components.items()}
+            entry = c.store.entry(name)
+            assert all(tiers[x.digest] == "gpu" for x in entry.weights)  # what runs is there
+        assert set(tiers.values()) <= {"gpu", "host", "disk"}
+        assert "disk" in tiers.values() or "host" in tiers.values()
+
+
+def test_in_use_components_are_never_evicted_and_other_threads_wait(store):
+    # Room for SDXL (1.6 MB) or FLUX (0.7 MB), not both.
+    with nostall.ModelCache(
+        store, device="cpu", gpu_budget=2_000_000, host_budget=64 * MB, wait_s=30
+    ) as c:
+        with c.use("sdxl") as pipe:
+            # Same thread, no room without evicting what it holds: refused at once.
+            with pytest.raises(BudgetExceeded, match="in use") as info:
+                c.pipeline("flux")
+            assert info.value.tier == "gpu" and info.value.in_use > 0
+            assert np.array_equal(run(pipe, "sdxl"), reference(store, "sdxl"))
+            got = []
+            t = threading.Thread(target=lambda: got.append(c.pipeline("flux")))
+            t.start()
+            time.sleep(0.3)
+            assert not got  # waits for the room sdxl holds
+            assert np.array_equal(run(pipe, "sdxl"), reference(store, "sdxl"))
+        t.join(20)
+        assert got and np.array_equal(run(got[0], "flux"), reference(store, "flux"))
+
+
+def test_a_working_set_larger_than_the_host_tier_does_not_cycle(store):
+    # Host tier for two of three pipelines (pool blocks are 2 MiB granules: flux and
+    # sdxl take 8 MiB each, sd3 10), device tier for one: plain LRU would miss on every
+    # switch of a flux → sdxl → sd3 loop.
+    with nostall.ModelCache(store, device="cpu", gpu_budget=2_000_000, host_budget=18 * MB) as c:
+        for _ in range(4):
+            for name in ("flux", "sdxl", "sd3"):
+                c.pipeline(name)
+        last = list(c.reports)[-6:]
+        served = [t for r in last for t in _tiers(r).values()]
+        assert served.count("host") >= len(served) // 3
+        # Switch back after N one-off models: the regular one is still in the host tier.
+        c.pipeline("wan")
+        c.pipeline("flux-b")
+        c.pipeline("flux")
+        assert "disk" not in _tiers(c.last_report).values()
+
+
+def test_concurrent_requests_for_one_model_load_it_once(store, cache):
+    barrier = threading.Barrier(6)
+    out = []
+
+    def go():
+        barrier.wait()
+        with cache.use("sdxl") as pipe:
+            out.append(run(pipe, "sdxl"))
+
+    threads = [threading.Thread(target=go) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    ref = reference(store, "sdxl")
+    assert len(out) == 6 and all(np.array_equal(o, ref) for o in out)
+    disk = [c for r in cache.reports for c in r.components if c.tier == "disk"]
+    assert len(disk) == 4  # each of sdxl's four weights components read once
+
+
+def test_many_threads_switching_at_once(store):
+    names = ("flux", "flux-b", "sdxl", "sd3")
+    refs = {n: reference(store, n) for n in names}
+    errors, done = [], []
+    with nostall.ModelCache(
+        store, device="cpu", gpu_budget=4 * MB, host_budget=24 * MB, wait_s=60
+    ) as c:
+
+        def worker(seed):
+            rng = random.Random(seed)
+            try:
+                for _ in range(6):
+                    name = rng.choice(names)
+                    with c.use(name) as pipe:
+                        assert np.array_equal(run(pipe, name), refs[name]), name
+                    done.append(name)
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors[:3]
+        assert len(done) == 36
+        assert all(s.uses == 0 for s in c._tier.slots.values())  # every use ended
+        pool = c._host.pool.stats()
+        assert pool.in_use == 0  # no block left held
+        assert c.stats().gpu_bytes <= 4 * MB
+
+
+def test_prefetch_moves_the_next_pipeline_and_protects_it(store, cache):
+    with cache.use("flux") as pipe:
+        future = cache.prefetch("sdxl")
+        out = run(pipe, "flux")
+        report = future.result(30)
+    assert report.prefetch and set(_tiers(report).values()) == {"disk"}
+    assert np.array_equal(out, reference(store, "flux"))
+    with cache.use("sdxl") as pipe:
+        assert set(_tiers(cache.last_report).values()) == {"device"}
+        assert np.array_equal(run(pipe, "sdxl"), reference(store, "sdxl"))
+    with pytest.raises(UnknownModel):
+        cache.prefetch("nope")
+
+
+def test_prefetch_without_room_fails_its_future_not_the_running_pipeline(store):
+    with nostall.ModelCache(store, device="cpu", gpu_budget=2_000_000, host_budget=64 * MB) as c:
+        with c.use("sdxl") as pipe:
+            future = c.prefetch("flux")
+            with pytest.raises(BudgetExceeded, match="prefetch never evicts"):
+                future.result(30)
+            assert np.array_equal(run(pipe, "sdxl"), reference(store, "sdxl"))
+
+
+def test_stats_evict_and_close(store):
+    c = nostall.ModelCache(store, device="cpu", gpu_budget=64 * MB, host_budget=64 * MB)
+    c.pipeline("flux")
+    s = c.stats()
+    assert s.gpu_bytes > 0 and s.host_bytes > 0
+    assert {x["tier"] for x in s.components.values()} == {"gpu"}
+    assert c.evict("gpu") > 0
+    assert {x["tier"] for x in c.stats().components.values()} == {"host"}
+    assert c.evict("all") > 0 and c.stats().host_bytes == 0
+    with pytest.raises(ArgumentError):
+        c.evict("disk")
+    pipe = c.pipeline("flux")
+    c.close()
+    c.close()
+    with pytest.raises(ClosedError):
+        c.pipeline("flux")
+    with pytest.raises(ClosedError):
+        run(pipe, "flux")
+
+
+def test_a_budget_smaller_than_a_component_is_a_typed_error(store):
+    with nostall.ModelCache(store, device="cpu", gpu_budget=MB // 2, host_budget=64 * MB) as c:
+        with pytest.raises(BudgetExceeded, match="cannot hold") as info:
+            c.pipeline("flux")
+        assert info.value.requested > info.value.budget or info.value.tier == "gpu"
+    with pytest.raises(ArgumentError):
+        nostall.ModelCache(store, device="cpu", gpu_budget=0)
