@@ -109,6 +109,10 @@ def test_bench_decode_tiny_on_cpu_writes_json_and_table(tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["config"]["frames"] == 5
+    # a second run refuses to write over the first report, before running anything
+    again = runner.invoke(app, [*args, "--out", str(out)])
+    assert again.exit_code == 2 and "--overwrite" in again.output
+    assert json.loads(out.read_text()) == report
     assert set(report["results"]["fp32"]) >= {"decode-only", "sync", "async", "raw_npy"}
     assert "async" in result.output and "1.02x decode-only" in result.output
     assert "back to back" in result.output and "submit_decode" in result.output
@@ -153,9 +157,8 @@ def test_decode_one_file_to_mp4(tmp_path, wan_folder):
 
     z = _latents(tmp_path / "z.pt")
     out = tmp_path / "v.mp4"
-    result = runner.invoke(
-        app, ["decode", z, "--vae", str(wan_folder), "-o", str(out), "--device", "cpu"]
-    )
+    args = ["decode", z, "--vae", str(wan_folder), "-o", str(out), "--no-denormalize"]
+    result = runner.invoke(app, [*args, "--device", "cpu"])
     assert result.exit_code == 0, result.output
     assert "13 frames" in result.output
     with av.open(str(out)) as c:
@@ -170,7 +173,8 @@ def test_decode_several_files_back_to_back(tmp_path, wan_folder, sync):
     out = tmp_path / "out"
     out.mkdir()
     args = ["decode", *zs, "--vae", str(wan_folder), "-o", str(out), "--suffix", ".npy"]
-    result = runner.invoke(app, [*args, "--device", "cpu"] + (["--sync"] if sync else []))
+    args += ["--device", "cpu", "--no-denormalize"]
+    result = runner.invoke(app, args + (["--sync"] if sync else []))
     assert result.exit_code == 0, result.output
     videos = [np.load(out / f"clip{i}.npy") for i in range(3)]
     assert all(v.shape == (13, 48, 64, 3) and v.dtype == np.uint8 for v in videos)
@@ -184,6 +188,7 @@ def test_decode_checks_every_input_before_decoding(tmp_path, wan_folder):
     out = tmp_path / "out"
     out.mkdir()
     cmd = ["decode", good, bad, "--vae", str(wan_folder), "-o", str(out), "--device", "cpu"]
+    cmd.append("--no-denormalize")
     proc = subprocess.run(
         [sys.executable, "-m", "nostall.cli.main", *cmd], capture_output=True, text=True
     )
@@ -195,8 +200,131 @@ def test_decode_checks_every_input_before_decoding(tmp_path, wan_folder):
 def test_decode_several_files_needs_an_output_folder(tmp_path, wan_folder):
     zs = [_latents(tmp_path / f"c{i}.pt") for i in range(2)]
     result = runner.invoke(
-        app, ["decode", *zs, "--vae", str(wan_folder), "-o", str(tmp_path / "v.mp4")]
+        app,
+        ["decode", *zs, "--vae", str(wan_folder), "-o", str(tmp_path / "v.mp4"), "--denormalize"],
     )
     assert result.exit_code == 2
     text = " ".join(result.output.replace("│", " ").split())  # rich wraps the message
     assert "must be an existing folder" in text
+
+
+def test_decode_with_denormalize_decodes_the_denormalised_latents(tmp_path, wan_folder):
+    import numpy as np
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    from nostall.video import decode_to_file, denormalize
+
+    z = _latents(tmp_path / "z.pt")
+    out = tmp_path / "v.npy"
+    args = ["decode", z, "--vae", str(wan_folder), "-o", str(out), "--device", "cpu"]
+    result = runner.invoke(app, [*args, "--denormalize"])
+    assert result.exit_code == 0, result.output
+    vae = AutoencoderKLWan.from_pretrained(wan_folder).eval()
+    with torch.inference_mode():
+        decode_to_file(vae, denormalize(vae, torch.load(z)), tmp_path / "ref.npy")
+    assert np.array_equal(np.load(out), np.load(tmp_path / "ref.npy"))
+
+
+# ---- one-line errors for bad options, checked before anything heavy -------------------
+
+
+def _plain(output: str) -> str:
+    return " ".join(output.replace("│", " ").split())  # rich wraps and boxes messages
+
+
+def test_version():
+    import nostall
+
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0
+    assert result.output.strip() == f"nostall {nostall.__version__}"
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "says"),
+    [
+        ("--dtype", "int8", "not a cast target"),
+        ("--dtype", "fp7", "not a cast target"),
+        ("--threads", "0", "--threads"),
+        ("--threads", "-2", "--threads"),
+        ("--read-mode", "foo", "unknown read mode 'foo'"),
+        ("--pool-gb", "-1", "--pool-gb"),
+    ],
+)
+def test_bad_load_options_are_usage_errors(ckpt_file, option, value, says):
+    result = runner.invoke(app, ["load", str(ckpt_file), "--device", "cpu", option, value])
+    assert result.exit_code == 2, result.output
+    assert says in _plain(result.output)
+    assert "Traceback" not in result.output
+    assert isinstance(result.exception, SystemExit)  # click's usage error, nothing raised
+
+
+def test_a_pool_beyond_the_machine_is_a_one_line_error(ckpt_file):
+    cmd = ["load", str(ckpt_file), "--device", "cpu", "--pool-gb", str(10**6)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "nostall.cli.main", *cmd], capture_output=True, text=True
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--pool-gb" in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_decode_requires_the_normalisation_choice(tmp_path, wan_folder):
+    z = _latents(tmp_path / "z.pt")
+    args = ["decode", z, "--vae", str(wan_folder), "-o", str(tmp_path / "v.mp4")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    text = _plain(result.output)
+    assert "--denormalize for latents a pipeline saved with output_type='latent'" in text
+    assert "--no-denormalize" in text
+    assert not (tmp_path / "v.mp4").exists()
+
+
+@pytest.mark.parametrize(
+    ("output", "extra", "says"),
+    [
+        ("v.avi", [], "unsupported output suffix '.avi'"),
+        ("missing/v.mp4", [], "does not exist"),
+        ("v.mp4", ["--crf", "60"], "crf must be a number in 0..51"),
+        ("v.mp4", ["--fps", "0"], "fps must be positive"),
+        ("v.mp4", ["--preset", "warp"], "unknown x264 preset 'warp'"),
+        ("v.mp4", ["--dtype", "int8"], "not a cast target"),
+    ],
+)
+def test_decode_checks_the_output_before_reading_the_vae(tmp_path, output, extra, says):
+    z = _latents(tmp_path / "z.pt")
+    no_vae = tmp_path / "no-such-vae"  # loading it would fail with a CheckpointError
+    cmd = ["decode", z, "--vae", str(no_vae), "-o", str(tmp_path / output), "--denormalize"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "nostall.cli.main", *cmd, *extra], capture_output=True, text=True
+    )
+    text = _plain(proc.stdout + proc.stderr)
+    assert proc.returncode == 2, text
+    assert says in text and "no-such-vae" not in text
+    assert "Traceback" not in text
+
+
+def test_bench_outputs_default_outside_docs():
+    from typer.main import get_command
+
+    bench = get_command(app).commands["bench"]
+    for name, options in (("load", ("out",)), ("decode", ("out", "figure"))):
+        params = {p.name: p for p in bench.commands[name].params}
+        for option in options:
+            assert params[option].default.startswith("bench-out/"), (name, option)
+        assert params["overwrite"].default is False
+
+
+@pytest.mark.parametrize("which", ["load", "decode"])
+def test_bench_refuses_to_overwrite_a_report(tmp_path, which):
+    out = tmp_path / "report.json"
+    out.write_text("recorded")
+    folder = tmp_path / "ckpt"
+    args = ["bench", which, "--device", "cpu", "--out", str(out)]
+    args += ["--preset", "tiny", "--folder", str(folder)] if which == "load" else ["--size", "tiny"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert "already exists" in _plain(result.output) and "--overwrite" in result.output
+    assert out.read_text() == "recorded"
+    assert not folder.exists()  # refused before the benchmark started

@@ -87,6 +87,8 @@ def test_png_folder_and_y4m(tmp_path, vae, latents, reference):
         (torch.zeros(1, 12, 4, 6, 8), "channels"),
         (torch.zeros(1, 16, 4, 6, 8, dtype=torch.int64), "floating"),
         (torch.zeros(1, 16, 0, 6, 8), "T"),
+        (torch.zeros(1, 16, 4, 6, 8, dtype=torch.float16), r"z\.to\(device='cpu'"),
+        (torch.full((1, 16, 4, 6, 8), float("nan")), "3072 non-finite"),
     ],
 )
 def test_bad_latents_are_refused_before_anything_is_written(tmp_path, vae, bad, match):
@@ -192,3 +194,92 @@ def test_submit_decode_failure_after_return_leaves_nothing(tmp_path, vae, latent
         with pytest.raises(SinkError, match="No space left"):
             future.result(timeout=60)
     assert os.listdir(tmp_path) == []
+
+
+# ---- the frame count is checked before the file gets its final name ----------------
+
+
+def _one_chunk_short(monkeypatch):
+    from nostall.video import decode as decode_mod
+
+    real = decode_mod.decode_chunks
+
+    def short(vae, z):
+        chunks = list(real(vae, z))
+        return iter(chunks[:-1])  # 9 of 13 frames
+
+    monkeypatch.setattr(decode_mod, "decode_chunks", short)
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_wrong_frame_count_is_a_sink_error_and_leaves_nothing(
+    tmp_path, vae, latents, monkeypatch, sync
+):
+    _one_chunk_short(monkeypatch)
+    out = tmp_path / "v.npy"
+    with pytest.raises(SinkError, match=r"v\.npy.*produced 9 frames .* make 13"):
+        decode_to_file(vae, latents, out, sync=sync)
+    assert os.listdir(tmp_path) == []
+
+
+def test_submit_decode_checks_the_frame_count_before_the_rename(
+    tmp_path, vae, latents, monkeypatch
+):
+    from nostall.video import AsyncFramePipeline, submit_decode
+
+    _one_chunk_short(monkeypatch)
+    with AsyncFramePipeline(device="cpu") as pipe:
+        future = submit_decode(vae, latents, tmp_path / "v.npy", pipeline=pipe)
+        with pytest.raises(SinkError, match=r"v\.npy.*9 frames .* 13 were expected"):
+            future.result(timeout=60)
+    assert os.listdir(tmp_path) == []
+
+
+# ---- a script that exits without waiting for its submitted videos -------------------
+
+_SCRIPT = """
+import sys, time
+import torch
+from diffusers import AutoencoderKLWan
+from nostall.video import AsyncFramePipeline, submit_decode
+from nostall.video.sinks import NpySink
+
+real = NpySink._finish_temp
+
+def slow_finish(self):
+    time.sleep(0.5)  # the file is still being finished when the main thread ends
+    if sys.argv[2] == "fail":
+        raise OSError(28, "No space left on device")
+    real(self)
+
+NpySink._finish_temp = slow_finish
+torch.manual_seed(0)
+vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1).eval()
+z = torch.randn(1, 16, 4, 6, 8)
+pipe = AsyncFramePipeline(device="cpu")
+submit_decode(vae, z, sys.argv[1], pipeline=pipe)
+# no close(), no result(): the script just ends
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("outcome", ["ok", "fail"])
+def test_videos_submitted_by_a_script_that_exits_are_finished(tmp_path, outcome):
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text(_SCRIPT)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    out = out_dir / "v.npy"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(out), outcome], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert leftovers(out_dir) == []  # no hidden .v.npy.*.partial
+    if outcome == "ok":
+        assert np.load(out).shape == (13, 48, 64, 3)
+    else:
+        assert not out.exists()
+        assert "was not written" in proc.stderr and "No space left" in proc.stderr

@@ -11,6 +11,7 @@ import sys
 import textwrap
 from fractions import Fraction
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from nostall.video.sinks import (  # noqa: E402
     NullSink,
     PngSink,
     Y4mSink,
+    check_sink_path,
     sink_for_path,
 )
 
@@ -42,11 +44,19 @@ def _frames(n: int, h: int = H, w: int = W) -> np.ndarray:
     return out
 
 
-def _read_av(path: Path) -> tuple[np.ndarray, av.video.stream.VideoStream]:
+def _read_av(path: Path) -> tuple[np.ndarray, SimpleNamespace]:
+    # The stream's properties are read while the container is open: PyAV 19 refuses
+    # them after close ("Container is not open").
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
-    return np.stack(frames), stream
+        info = SimpleNamespace(
+            frames=stream.frames,
+            average_rate=stream.average_rate,
+            duration=stream.duration,
+            time_base=stream.time_base,
+        )
+    return np.stack(frames), info
 
 
 def _read_png(folder: Path) -> np.ndarray:
@@ -480,3 +490,45 @@ def test_sink_for_path_devnull_and_errors(tmp_path):
     with pytest.raises(SinkError, match="fps"):
         sink_for_path(tmp_path / "clip.npy", fps=0)
     assert os.listdir(tmp_path) == []
+
+
+def _setup_targets(tmp_path):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "old.png").write_bytes(b"")
+    (tmp_path / "file").write_bytes(b"")
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("clip.avi", {}),
+        ("missing/clip.mp4", {}),
+        ("missing/frames/", {}),
+        ("clip.mp4", {"crf": 52}),
+        ("clip.mp4", {"crf": math.nan}),
+        ("clip.mp4", {"preset": "warp"}),
+        ("clip.mp4", {"threads": -1}),
+        ("clip.y4m", {"fps": 0}),
+        ("clip.npy", {"fps": -math.inf}),
+        ("full", {}),  # a PNG folder that already holds files
+        ("file/", {}),  # a PNG folder path that is a file
+    ],
+)
+def test_check_sink_path_refuses_what_sink_for_path_refuses_and_creates_nothing(
+    tmp_path, name, options
+):
+    _setup_targets(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(SinkError) as checked:
+        check_sink_path(str(tmp_path / name), **options)
+    with pytest.raises(SinkError) as opened:
+        sink_for_path(str(tmp_path / name), **options)
+    assert str(checked.value) == str(opened.value)
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+@pytest.mark.parametrize("name", ["clip.mp4", "clip.npy", "clip.y4m", "frames/", "frames"])
+def test_check_sink_path_accepts_what_sink_for_path_accepts(tmp_path, name):
+    assert check_sink_path(str(tmp_path / name), fps=24, crf=0) is None
+    assert os.listdir(tmp_path) == []
+    sink_for_path(str(tmp_path / name), fps=24, crf=0).abort()

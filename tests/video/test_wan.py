@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import pytest
@@ -11,8 +12,14 @@ diffusers = pytest.importorskip("diffusers")
 from diffusers import AutoencoderKLWan  # noqa: E402
 from diffusers.models.autoencoders import autoencoder_kl_wan as wan_module  # noqa: E402
 
-from nostall.errors import LatentsError  # noqa: E402
-from nostall.video.wan import check_latents, decode_chunks, denormalize, frame_count  # noqa: E402
+from nostall.errors import LatentsError, UnsupportedError  # noqa: E402
+from nostall.video.wan import (  # noqa: E402
+    check_latents,
+    decode_chunks,
+    denormalize,
+    frame_count,
+    vae_placement,
+)
 
 
 def _tiny_wan21() -> AutoencoderKLWan:
@@ -227,7 +234,7 @@ def test_offload_hook_runs_like_vae_decode(vae):
 def test_missing_unpatchify_is_reported_with_the_diffusers_version(monkeypatch):
     monkeypatch.delattr(wan_module, "unpatchify")
     vae22 = _tiny_wan22()
-    with pytest.raises(RuntimeError, match=rf"diffusers {diffusers.__version__}.*unpatchify"):
+    with pytest.raises(UnsupportedError, match=rf"diffusers {diffusers.__version__}.*unpatchify"):
         decode_chunks(vae22, _latents(vae22))
     # The Wan 2.1 VAE has no patch_size, so it does not need unpatchify.
     vae21 = _tiny_wan21()
@@ -249,16 +256,124 @@ def test_decoder_without_first_chunk(monkeypatch):
         monkeypatch.setattr(vae.decoder, "forward", old_forward)
         if vae.config.is_residual:
             with pytest.raises(
-                RuntimeError, match=r"first_chunk.*diffusers|diffusers.*first_chunk"
+                UnsupportedError, match=r"first_chunk.*diffusers|diffusers.*first_chunk"
             ):
                 decode_chunks(vae, z)
         else:
             assert torch.equal(torch.cat(list(decode_chunks(vae, z)), dim=2), expected)
 
 
-def test_rejects_a_vae_that_is_not_wan():
-    with pytest.raises(TypeError, match="AutoencoderKLWan"):
-        decode_chunks(torch.nn.Conv3d(16, 3, 1), torch.zeros(1, 16, 1, 2, 2))
+@pytest.mark.parametrize("call", [decode_chunks, check_latents, denormalize])
+@pytest.mark.parametrize(
+    ("other", "name"),
+    [
+        (torch.nn.Conv3d(16, 3, 1), r"torch\.nn\.modules\.conv\.Conv3d"),
+        (object(), r"builtins\.object"),  # no .config.z_dim to read
+        (torch.compile(torch.nn.Conv3d(16, 3, 1), backend="eager"), r"torch\.compile of .*Conv3d"),
+    ],
+)
+def test_rejects_a_vae_that_is_not_wan(call, other, name):
+    # The class is checked before vae.config is read, so even an object without a
+    # config gets the nostall error naming what was found and what is supported.
+    with pytest.raises(UnsupportedError, match=rf"AutoencoderKLWan.*got {name}"):
+        call(other, torch.zeros(1, 16, 1, 2, 2))
+
+
+def test_missing_diffusers_internals_are_unsupported_not_runtime_errors(monkeypatch):
+    vae = _tiny_wan21()
+    monkeypatch.delattr(wan_module, "WanCausalConv3d")
+    with pytest.raises(UnsupportedError, match="WanCausalConv3d") as info:
+        decode_chunks(vae, torch.zeros(1, 16, 1, 2, 2))
+    assert not isinstance(info.value, RuntimeError)
+
+
+# ---- torch.compile ---------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_compiled_vae_decodes_like_vae_decode():
+    # torch.compile(vae) compiles vae.forward only: vae.decode through the wrapper runs
+    # the plain decoder, and decode_chunks unwraps to the same module.
+    vae = _tiny_wan21()
+    z = _latents(vae, t=2)
+    compiled = torch.compile(vae, backend="eager")
+    assert not isinstance(compiled, AutoencoderKLWan)
+    out = torch.cat(list(decode_chunks(compiled, z)), dim=2)
+    assert torch.equal(out, _reference(vae, z))
+    assert torch.equal(out, _reference(compiled, z))
+    assert vae_placement(compiled) == (torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.timeout(300)
+def test_compiled_decoder_is_called_like_vae_decode_calls_it():
+    vae = _tiny_wan21()
+    z = _latents(vae, t=2)
+    expected = _reference(vae, z)
+    calls = []
+    plain_forward = vae.decoder.forward
+
+    @functools.wraps(plain_forward)  # keeps the (x, feat_cache=, ...) signature
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("first_chunk"))
+        return plain_forward(*args, **kwargs)
+
+    vae.decoder.forward = counting
+    vae.decoder = torch.compile(vae.decoder, backend="eager")  # forward is (*args, **kwargs)
+    assert torch.equal(_reference(vae, z), expected)
+    calls.clear()
+    out = torch.cat(list(decode_chunks(vae, z)), dim=2)
+    assert torch.equal(out, expected)
+    assert calls == [True, False]  # went through the compiled module, one call per frame
+
+
+# ---- dtype, device and values --------------------------------------------------------
+
+
+def test_latents_of_another_dtype_are_refused_with_the_fix():
+    vae = _tiny_wan21()
+    z = _latents(vae, t=2).to(torch.bfloat16)
+    fix = r"z\.to\(device='cpu', dtype=torch\.float32\)"
+    with pytest.raises(
+        LatentsError, match=rf"torch\.bfloat16 on cpu.*torch\.float32 on cpu.*{fix}"
+    ):
+        check_latents(vae, z)
+    with pytest.raises(LatentsError, match=fix):
+        decode_chunks(vae, z)
+    check_latents(vae, z, placement=False)  # host-side check before z.to(...)
+
+
+def test_latents_on_another_device_are_refused_with_the_fix():
+    vae = _tiny_wan21()
+    z = torch.zeros(1, 16, 2, 4, 4, device="meta")
+    with pytest.raises(LatentsError, match=r"on meta.*on cpu.*z\.to\(device='cpu'"):
+        decode_chunks(vae, z)
+
+
+def test_offloaded_vae_is_compared_with_its_execution_device():
+    class Hook:  # what accelerate's enable_model_cpu_offload attaches
+        execution_device = torch.device("meta")
+
+        def pre_forward(self, module):
+            pass
+
+    vae = _tiny_wan21()
+    vae._hf_hook = Hook()
+    assert vae_placement(vae) == (torch.device("meta"), torch.float32)
+    with pytest.raises(LatentsError, match=r"float32 on meta"):
+        check_latents(vae, _latents(vae))
+
+
+@pytest.mark.parametrize("placement", [True, False])
+def test_non_finite_latents_are_refused_with_the_count(placement):
+    vae = _tiny_wan21()
+    z = _latents(vae, t=2)
+    z[0, 1, 0, 0, :3] = float("nan")
+    z[0, 2, 1, 2, :2] = float("inf")
+    pattern = r"5 non-finite values \(3 NaN, 2 inf\) out of 512"
+    with pytest.raises(LatentsError, match=pattern):
+        check_latents(vae, z, placement=placement)
+    with pytest.raises(LatentsError, match=pattern):
+        decode_chunks(vae, z)
 
 
 @pytest.mark.parametrize(
@@ -284,7 +399,8 @@ def test_check_latents_errors_name_the_shapes(z, pattern):
 
 
 def test_check_latents_accepts_valid_latents():
-    assert check_latents(_tiny_wan22(), torch.zeros(2, 48, 1, 3, 5, dtype=torch.bfloat16)) is None
+    vae = _tiny_wan22().to(torch.bfloat16)
+    assert check_latents(vae, torch.zeros(2, 48, 1, 3, 5, dtype=torch.bfloat16)) is None
 
 
 def test_frame_count():

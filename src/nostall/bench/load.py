@@ -2,7 +2,9 @@
 
 Three scenarios, all methods in the same run:
 
-* **cold**: the page cache is dropped before each method (needs root);
+* **cold**: the page cache is dropped before each method (needs root); every drop is
+  announced on the console before it happens (it evicts every cached file on the
+  machine, not only ours) and listed in the report's ``page_cache_drops``;
 * **page-cache hit**: the file is in the OS cache (a worker restarted);
 * **memory-cache hit**: the bytes are already in nostall's pinned pool; only the
   host→device copy remains (peers have no such cache).
@@ -29,6 +31,7 @@ import torch
 
 from nostall.bench.checkpoints import make_checkpoint
 from nostall.bench.peers import PEERS, Method, missing_requirement
+from nostall.errors import ArgumentError
 from nostall.memory.pool import PinnedPool
 from nostall.transfer.loader import Loader, resolve_device
 
@@ -51,8 +54,15 @@ class Record:
     phases: dict[str, float] = field(default_factory=dict)
 
 
+_DROP_COMMAND = "sync; echo 3 > /proc/sys/vm/drop_caches"
+
+
 def drop_caches() -> str | None:
-    """Drop the OS page cache; return why not when it cannot (not root, read-only /proc)."""
+    """Drop the OS page cache; return why not when it cannot (not root, read-only /proc).
+
+    Evicts every cached file on the machine. Callers announce it first (see
+    :func:`run_load_bench`).
+    """
     try:
         os.sync()
         with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -143,9 +153,14 @@ def expected_bytes(preset: str) -> int:
     return sum(p.numel() * 2 for p in model.state_dict().values()) + (1 << 20)
 
 
-def disk_limit(path: str, *, direct: bool) -> tuple[float, float] | None:
-    """Cold sequential read of ``path`` with ``dd`` (16 MiB blocks): (seconds, GB/s)."""
-    if drop_caches() is not None:
+def disk_limit(
+    path: str, *, direct: bool, drop: Callable[[str], str | None]
+) -> tuple[float, float] | None:
+    """Cold sequential read of ``path`` with ``dd`` (16 MiB blocks): (seconds, GB/s).
+
+    ``drop(before)`` drops the page cache first (and says so); ``None`` if it cannot.
+    """
+    if drop(f"dd {'O_DIRECT' if direct else 'buffered'} read") is not None:
         return None
     cmd = ["dd", f"if={path}", "of=/dev/null", "bs=16M"] + (["iflag=direct"] if direct else [])
     t = time.perf_counter()
@@ -166,7 +181,12 @@ def run_load_bench(
     methods: tuple[str, ...] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Run the benchmark and return the JSON-able report (see module docstring)."""
+    """Run the benchmark and return the JSON-able report (see module docstring).
+
+    The cold scenario drops the OS page cache before each method and each ``dd`` read:
+    ``log`` announces every drop before it happens, and the report lists them all in
+    ``page_cache_drops`` (``before``, ``dropped``, ``note``).
+    """
     dev = resolve_device(device)
     for s in scenarios:
         if s not in SCENARIOS:
@@ -254,6 +274,17 @@ def run_load_bench(
             f"{pool_pin_s:.2f} s, {(ps.hugepages or 0) / max(ps.capacity, 1):.0%} huge pages"
         )
 
+    drops: list[dict[str, Any]] = []
+
+    def drop(before: str) -> str | None:
+        # Said every time, before it happens: it evicts every file cached on the machine.
+        log(f"dropping the OS page cache ({_DROP_COMMAND}) before {before}")
+        why = drop_caches()
+        drops.append({"before": before, "dropped": why is None, "note": why or ""})
+        if why:
+            log(f"  not dropped: {why}")
+        return why
+
     # The reference every method is compared with (page cache warm after writing).
     ref = PEERS[0].run(folder, dev)
     _sync(dev)
@@ -269,7 +300,7 @@ def run_load_bench(
         times, equal, phases, note = [], None, {}, ""
         for _ in range(runs):
             if scenario == "cold":
-                why = drop_caches()
+                why = drop(f"{method.name} (cold)")
                 if why:
                     records.append(
                         Record(method.name, scenario, None, None, note=f"skipped: {why}")
@@ -327,7 +358,7 @@ def run_load_bench(
             measure(m, "memory-cache", max(repeat, 3))
     if "cold" in scenarios:
         for direct in (False, True):
-            r = disk_limit(weights, direct=direct)
+            r = disk_limit(weights, direct=direct, drop=drop)
             key = "disk_direct" if direct else "disk_buffered"
             limits[key + "_gbps"] = r[1] if r else None
             if r:
@@ -350,6 +381,7 @@ def run_load_bench(
         "checkpoint": {"preset": preset, "bytes": size, "path": weights},
         "limits": limits,
         "records": [asdict(r) for r in records],
+        "page_cache_drops": drops,
     }
     report["targets"] = evaluate_targets(report)
     return report
@@ -495,9 +527,47 @@ def summarize(report: dict) -> list[list[str]]:
     return rows
 
 
-def write_report(report: dict, path: str) -> None:
+def check_new_output(path: str, *, overwrite: bool) -> None:
+    """Raise :class:`~nostall.ArgumentError` if ``path`` exists and ``overwrite`` is off.
+
+    Called before a run (which may take an hour) so that a recorded result, such as
+    ``docs/bench/load.json``, is never replaced by accident.
+
+    Example::
+
+        >>> check_new_output("docs/bench/load.json", overwrite=False)
+        Traceback (most recent call last):
+        nostall.errors.ArgumentError: docs/bench/load.json already exists; ...
+    """
+    if not overwrite and os.path.lexists(path):
+        raise ArgumentError(
+            f"{path} already exists; benchmarks do not write over a recorded result. "
+            f"Choose another --out, or pass --overwrite to replace it"
+        )
+
+
+def write_report(report: dict, path: str, *, overwrite: bool = True) -> None:
+    """Write ``report`` as JSON to ``path``, atomically (a reader never sees half a file).
+
+    With ``overwrite=False`` an existing ``path`` is left alone and
+    :class:`~nostall.ArgumentError` is raised (the report stays in ``path.partial``).
+    """
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = path + ".partial"
     with open(tmp, "w") as f:
         json.dump(report, f, indent=2)
-    os.replace(tmp, path)
+    if overwrite:
+        os.replace(tmp, path)
+        return
+    try:
+        os.link(tmp, path)  # fails if path appeared during the run, unlike os.replace
+    except FileExistsError as e:
+        raise ArgumentError(
+            f"{path} appeared while the benchmark ran; the report was kept in {tmp}. Move "
+            f"it where you want it, or run again with --overwrite"
+        ) from e
+    except OSError:  # a file system without hard links: check, then rename
+        check_new_output(path, overwrite=False)
+        os.replace(tmp, path)
+        return
+    os.unlink(tmp)

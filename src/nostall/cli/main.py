@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import os
 import sys
 import time
+from collections.abc import Iterator
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from nostall.errors import NostallError
+from nostall.errors import ArgumentError, NostallError, SinkError
 
 app = typer.Typer(
     help="Keep GPUs busy in diffusion inference: fast checkpoint loading, stall-free video output.",
@@ -26,7 +27,10 @@ app.add_typer(bench_app, name="bench")
 # Wide enough for the phase tables when piped to a file or a CI log.
 console = Console(width=None if sys.stdout.isatty() else 150)
 
+# The floating dtypes a checkpoint can be cast to; the long names are accepted too.
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
+_READ_MODES = ("auto", "buffered", "direct")
+_BENCH_OUT = "bench-out"  # ignored by git; docs/bench/ holds the recorded results
 
 
 def _dtype(name: str | None):
@@ -34,11 +38,45 @@ def _dtype(name: str | None):
 
     if name is None:
         return None
-    key = _DTYPES.get(name.lower(), name.lower())
-    dt = getattr(torch, key, None)
-    if not isinstance(dt, torch.dtype):
-        raise typer.BadParameter(f"unknown dtype {name!r}; use one of {', '.join(_DTYPES)}")
-    return dt
+    key = name.lower()
+    key = _DTYPES.get(key, key)
+    if key not in _DTYPES.values():
+        raise typer.BadParameter(
+            f"{name!r} is not a cast target; use one of {', '.join(_DTYPES)} (floating "
+            f"tensors are cast; integer tensors keep their dtype)",
+            param_hint="--dtype",
+        )
+    return getattr(torch, key)
+
+
+@contextlib.contextmanager
+def _option(hint: str | None = None) -> Iterator[None]:
+    """Report a library's refusal of an option value as a usage error (exit 2, one line)."""
+    try:
+        yield
+    except (ArgumentError, SinkError) as e:
+        raise typer.BadParameter(str(e), param_hint=hint) from e
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from nostall import __version__
+
+        print(f"nostall {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        is_eager=True,
+        callback=_print_version,
+        help="Print nostall's version and exit.",
+    ),
+) -> None:
+    pass
 
 
 def _default_device() -> str:
@@ -118,11 +156,12 @@ def load(
     model: bool = typer.Option(False, "--model", help="Also build the module (needs config.json)."),
     pool_gb: float = typer.Option(
         0.0,
+        min=0.0,
         help="Load through a pinned pool of this many GB; loads twice "
         "to show the memory-cache hit.",
     ),
     read_mode: str = typer.Option("auto", help="auto, buffered or direct (O_DIRECT)."),
-    threads: int = typer.Option(None, help="Reader threads (default: CPUs, at most 16)."),
+    threads: int = typer.Option(None, min=1, help="Reader threads (default: CPUs, at most 16)."),
     as_json: bool = typer.Option(False, "--json", help="Print the phase timings as JSON."),
 ) -> None:
     """Load a checkpoint and print the read / H2D / build phases and GB/s."""
@@ -132,13 +171,19 @@ def load(
     from nostall.memory.pool import PinnedPool
     from nostall.transfer.loader import Loader
 
+    if read_mode not in _READ_MODES:
+        raise typer.BadParameter(
+            f"unknown read mode {read_mode!r}; use one of {', '.join(_READ_MODES)}",
+            param_hint="--read-mode",
+        )
     device = device or _default_device()
     dt = _dtype(dtype)
     rows, records = [], []
     with Loader(threads=threads, read_mode=read_mode) as loader:
         pool = None
         if pool_gb > 0:
-            pool = PinnedPool(int(pool_gb * 1e9))
+            with _option("--pool-gb"):  # a budget beyond this machine's memory
+                pool = PinnedPool(int(pool_gb * 1e9))
             with console.status("pinning the pool…"):
                 pool.wait_pinned()
         try:
@@ -187,14 +232,32 @@ def bench_load(
     folder: str = typer.Option(
         "/tmp/nostall-bench/flux", help="Where the random checkpoint is written."
     ),
-    out: str = typer.Option("docs/bench/load.json", help="JSON report path."),
+    out: str = typer.Option(
+        f"{_BENCH_OUT}/load.json",
+        help="JSON report path (the recorded results live in docs/bench/).",
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace an existing report at --out."
+    ),
     scenario: list[str] = typer.Option(None, help="Scenarios to run (default: all three)."),  # noqa: B008
     repeat: int = typer.Option(2, help="Runs per method in warm scenarios (best is reported)."),
     method: list[str] = typer.Option(None, help="Only these methods (by name)."),  # noqa: B008
 ) -> None:
-    """FLUX-size checkpoint → GPU: nostall vs safetensors, diffusers, fastsafetensors, runai."""
-    from nostall.bench.load import SCENARIOS, run_load_bench, summarize, write_report
+    """FLUX-size checkpoint → GPU: nostall vs safetensors, diffusers, fastsafetensors, runai.
 
+    The cold scenario drops the OS page cache (every file cached on the machine) before
+    each method; each drop is announced before it happens and recorded in the JSON.
+    """
+    from nostall.bench.load import (
+        SCENARIOS,
+        check_new_output,
+        run_load_bench,
+        summarize,
+        write_report,
+    )
+
+    with _option("--out"):
+        check_new_output(out, overwrite=overwrite)
     device = device or _default_device()
     report = run_load_bench(
         preset=preset,
@@ -205,7 +268,8 @@ def bench_load(
         methods=tuple(method) if method else None,
         log=lambda s: console.print(s, highlight=False),
     )
-    write_report(report, out)
+    with _option("--out"):
+        write_report(report, out, overwrite=overwrite)
     table = Table(
         title=f"load bench ({preset}, {report['checkpoint']['bytes'] / 1e9:.2f} GB) on "
         f"{report['hardware'].get('gpu', device)}"
@@ -238,6 +302,14 @@ def decode(
         help="Output: .mp4, .npy, .y4m, or a folder for PNGs; with several latents, an "
         "existing folder that receives one file per input.",
     ),
+    denormalize: bool | None = typer.Option(
+        None,
+        "--denormalize/--no-denormalize",
+        show_default=False,
+        help="Required. --denormalize for latents a pipeline saved with output_type='latent' "
+        "(normalised: z*std+mean is applied); --no-denormalize for latents as vae.decode "
+        "takes them.",
+    ),
     suffix: str = typer.Option(
         ".mp4", "--suffix", help="With several latents: the output kind (.mp4, .npy, .y4m)."
     ),
@@ -250,101 +322,54 @@ def decode(
     ),
     fps: float = typer.Option(16, help="Frame rate of the video."),
     preset: str = typer.Option("veryfast", help="libx264 preset for .mp4."),
-    crf: int = typer.Option(23, help="libx264 quality for .mp4 (0 = lossless)."),
-    denormalize: bool = typer.Option(
-        False, "--denormalize", help="Apply z*std+mean (latents straight from the denoiser)."
-    ),
+    crf: int = typer.Option(23, help="libx264 quality for .mp4 (0 = lossless, up to 51)."),
 ) -> None:
     """Decode Wan latents to video files, chunk by chunk, with a progress bar.
 
     Several latents files are decoded back to back through one pipeline: each file is
     finished (the MP4 encoder flushed) on the writer thread while the next decodes.
     """
-    import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from nostall.api import load_model
-    from nostall.errors import LatentsError
-    from nostall.video import (
-        AsyncFramePipeline,
-        SyncFramePipeline,
-        check_latents,
-        decode_to_file,
-        frame_count,
-        submit_decode,
-    )
-    from nostall.video import denormalize as denorm
-    from nostall.video.latents import load_latents
+    from nostall.video import check_sink_path, decode_files, output_paths
 
-    if len(latents) > 1:
-        if not os.path.isdir(out):
-            raise typer.BadParameter(
-                f"with {len(latents)} latents files, -o must be an existing folder; "
-                f"{out!r} is not one (create it first)",
-                param_hint="-o/--out",
-            )
-        if suffix not in (".mp4", ".npy", ".y4m"):
-            raise typer.BadParameter(
-                f"use .mp4, .npy or .y4m, not {suffix!r}", param_hint="--suffix"
-            )
-        targets = [
-            os.path.join(out, os.path.splitext(os.path.basename(p))[0] + suffix) for p in latents
-        ]
-        if len(set(targets)) != len(targets):
-            raise typer.BadParameter("two latents files share a name; outputs would collide")
-    else:
-        targets = [out]
-    device = device or _default_device()
+    if denormalize is None:
+        raise typer.BadParameter(
+            "say whether the latents are normalised: --denormalize for latents a pipeline "
+            "saved with output_type='latent', --no-denormalize for latents already "
+            "de-normalised (what vae.decode takes); the wrong one gives wrong colours",
+            param_hint="--denormalize/--no-denormalize",
+        )
+    # Everything about the outputs is checked before the VAE is loaded.
+    with _option("-o/--out"):
+        targets = output_paths(latents, out, suffix=suffix)
+    with _option():
+        for target in targets:
+            check_sink_path(target, fps=fps, preset=preset, crf=crf)
     dt = _dtype(dtype)
-    model = load_model(vae, device=device, dtype=dt)
-    model_dtype = dt or next(model.parameters()).dtype
+    model = load_model(vae, device=device or _default_device(), dtype=dt)
 
-    # Read and check every input before decoding any: a bad third file must not cost
-    # two decodes first. Latents are small (38 MB for 161 frames of 720p in fp32).
-    host = [load_latents(p) for p in latents]
-    for path, z in zip(latents, host, strict=True):
-        try:
-            check_latents(model, z)
-        except LatentsError as e:
-            raise LatentsError(f"{path}: {e}") from e
-    total = sum(frame_count(int(z.shape[2])) for z in host)
-
-    def prepare(i: int) -> torch.Tensor:
-        z = host[i].to(device=device, dtype=model_dtype)
-        return denorm(model, z) if denormalize else z
-
-    kind = SyncFramePipeline if sync else AsyncFramePipeline
-    opts = {"fps": fps, "preset": preset, "crf": crf}
-    results = []
     t0 = time.perf_counter()
-    with (
-        Progress(
-            TextColumn("decoding"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total} frames"),
-            TimeRemainingColumn(),
-            console=console,
-        ) as bar,
-        kind(device=device) as pipe,
-        torch.inference_mode(),
-    ):
-        task = bar.add_task("decode", total=total)
-
-        def advance(n: int) -> None:
-            bar.advance(task, n)
-
-        pending = []
-        for i, dst in enumerate(targets):
-            z = prepare(i)
-            if sync:
-                results.append(
-                    decode_to_file(model, z, dst, pipeline=pipe, progress=advance, **opts)
-                )
-            else:
-                pending.append(
-                    submit_decode(model, z, dst, pipeline=pipe, progress=advance, **opts)
-                )
-        results += [f.result() for f in pending]
+    with Progress(
+        TextColumn("decoding"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} frames"),
+        TimeRemainingColumn(),
+        console=console,
+    ) as bar:
+        task = bar.add_task("decode", total=None)
+        results = decode_files(
+            latents,
+            model,
+            targets,
+            denormalize=denormalize,
+            sync=sync,
+            fps=fps,
+            preset=preset,
+            crf=crf,
+            progress=lambda done, total: bar.update(task, completed=done, total=total),
+        )
     wall = time.perf_counter() - t0
     for result in results:
         s = result.stats
@@ -364,8 +389,16 @@ def bench_decode(
     repeat: int = typer.Option(10, help="Timed decodes per mode, after one warm-up."),
     device: str = typer.Option(None, help="cuda[:N] or cpu."),
     preset: str = typer.Option("veryfast", help="libx264 preset."),
-    out: str = typer.Option("docs/bench/decode.json", help="JSON report path."),
-    figure: str = typer.Option("docs/bench/decode-timeline-{dtype}.png", help="Timeline picture."),
+    out: str = typer.Option(
+        f"{_BENCH_OUT}/decode.json",
+        help="JSON report path (the recorded results live in docs/bench/).",
+    ),
+    figure: str = typer.Option(
+        f"{_BENCH_OUT}/decode-timeline-{{dtype}}.png", help="Timeline picture (CUDA runs)."
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace an existing report or picture."
+    ),
     work: str = typer.Option(None, help="Folder for the MP4s and traces (default: a temp dir)."),
     part: list[str] = typer.Option(  # noqa: B008
         None,
@@ -376,23 +409,32 @@ def bench_decode(
 ) -> None:
     """Wan VAE decode: sync vs async vs decode-only, writing real MP4s; utilisation and memory."""
     from nostall.bench.decode import PARTS, run_decode_bench
-    from nostall.bench.load import write_report
+    from nostall.bench.load import check_new_output, write_report
 
+    dtypes = tuple(dtype) if dtype else ("bf16", "fp32")
+    parts = tuple(part) if part else PARTS
     device = device or _default_device()
+    with _option("--out"):
+        check_new_output(out, overwrite=overwrite)
+    if figure and "timed" in parts and device.startswith("cuda"):  # drawn from CUDA profiles
+        with _option("--figure"):
+            for name in dtypes:
+                check_new_output(figure.replace("{dtype}", name), overwrite=overwrite)
     report = run_decode_bench(
         size=size,
-        dtypes=tuple(dtype) if dtype else ("bf16", "fp32"),
+        dtypes=dtypes,
         latent_frames=latent_frames,
         repeat=repeat,
         device=device,
         preset=preset,
         out_dir=work,
         figure=figure,
-        parts=tuple(part) if part else PARTS,
+        parts=parts,
         back_to_back=back_to_back,
         log=lambda s: console.print(s, highlight=False),
     )
-    write_report(report, out)
+    with _option("--out"):
+        write_report(report, out, overwrite=overwrite)
     table = Table(
         title=f"decode bench: {report['config']['size']}, {report['config']['frames']} frames, "
         f"{report['hardware'].get('gpu', device)}"

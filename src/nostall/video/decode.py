@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nostall.errors import SinkError
 from nostall.memory.pool import PinnedPool
-from nostall.video.pipeline import AsyncFramePipeline, FrameStats, Progress, SyncFramePipeline
-from nostall.video.sinks import sink_for_path
-from nostall.video.wan import check_latents, decode_chunks, frame_count
+from nostall.video.pipeline import (
+    AsyncFramePipeline,
+    FrameStats,
+    Progress,
+    SyncFramePipeline,
+    _close_iter,
+)
+from nostall.video.sinks import FrameSink, sink_for_path
+from nostall.video.wan import decode_chunks, frame_count
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan
@@ -61,7 +69,11 @@ def decode_to_file(
     suffix: ``.mp4`` (H.264 through PyAV, ``preset``/``crf``/``threads``), ``.npy``
     (uint8 ``(frames, H, W, 3)``), ``.y4m``, or a folder for PNG frames. The file is
     written under a temporary name and renamed when complete; on any error (bad
-    latents, a sink failure, an interrupt) nothing is left under either name.
+    latents, a sink failure, an interrupt, fewer frames than the latents make) nothing
+    is left under either name. Everything is checked before the first decode: the
+    output path and options, then the VAE and the latents
+    (:func:`~nostall.video.wan.check_latents`: shape, the VAE's dtype and device, no
+    NaN/inf).
 
     ``sync=True`` runs the one-thread baseline (decode, blocking copy, write) instead
     of the asynchronous pipeline. ``pipeline`` reuses an open pipeline (its streams,
@@ -71,23 +83,25 @@ def decode_to_file(
     >>> decode_to_file(vae, z, "out.mp4", fps=16)  # doctest: +SKIP
     DecodeResult(path='out.mp4', frames=81, ...)
     """
-    check_latents(vae, latents)
+    sink, chunks = _open(vae, latents, path, fps=fps, preset=preset, crf=crf, threads=threads)
     total = frame_count(int(latents.shape[2]))
-    sink = sink_for_path(path, fps=fps, preset=preset, crf=crf, threads=threads)
     own = pipeline is None
-    if own:
-        kind = SyncFramePipeline if sync else AsyncFramePipeline
-        pipeline = kind(device=latents.device, pool=pool)
     try:
-        with sink:
-            stats = pipeline.run(decode_chunks(vae, latents), sink, progress=progress)
+        with sink:  # an exception aborts the sink: nothing under either name
+            if own:
+                kind = SyncFramePipeline if sync else AsyncFramePipeline
+                pipeline = kind(device=latents.device, pool=pool)
+            stats = pipeline.run(chunks, sink, progress=progress)
+            # Before close(): a short video must never be renamed into place.
+            if stats.frames != total:
+                raise _frame_count_error(sink.path, stats.frames, total, latents)
             t = time.perf_counter()
             sink.close()
             stats.close_s = time.perf_counter() - t
     finally:
-        if own:
+        _close_iter(chunks)  # a no-op once run() consumed it
+        if own and pipeline is not None:
             pipeline.close()
-    assert stats.frames == total, (stats.frames, total)
     return DecodeResult(os.fspath(path), stats.frames, fps, stats)
 
 
@@ -124,15 +138,10 @@ def submit_decode(
             f"pipeline's writer thread), got {type(pipeline).__name__}; use decode_to_file "
             f"for the synchronous baseline"
         )
-    check_latents(vae, latents)
+    sink, chunks = _open(vae, latents, path, fps=fps, preset=preset, crf=crf, threads=threads)
     total = frame_count(int(latents.shape[2]))
-    sink = sink_for_path(path, fps=fps, preset=preset, crf=crf, threads=threads)
-    try:
-        chunks = decode_chunks(vae, latents)
-    except BaseException:
-        sink.abort()
-        raise
-    done = pipeline.submit(chunks, sink, progress=progress)
+    # The worker checks the count before it closes the sink (see AsyncFramePipeline.submit).
+    done = pipeline.submit(chunks, sink, progress=progress, frames=total)
     result: Future[DecodeResult] = Future()
     result.set_running_or_notify_cancel()
     where = os.fspath(path)
@@ -143,12 +152,33 @@ def submit_decode(
             result.set_exception(err)
             return
         stats = f.result()
-        if stats.frames != total:
-            result.set_exception(
-                RuntimeError(f"wrote {stats.frames} frames to {where!r}, expected {total}")
-            )
-            return
         result.set_result(DecodeResult(where, stats.frames, fps, stats))
 
     done.add_done_callback(settle)
     return result
+
+
+def _open(
+    vae: AutoencoderKLWan, latents: torch.Tensor, path: str | os.PathLike, **options: Any
+) -> tuple[FrameSink, Iterator[torch.Tensor]]:
+    """The sink and the (not yet started) chunk generator, everything checked first."""
+    sink = sink_for_path(path, **options)  # checks path and options before creating a file
+    try:
+        # Checks the VAE and latents now and decodes lazily. The NaN check waits for the
+        # GPU; the sink is opened before it so that, back to back, little host work sits
+        # between the previous video's last kernel and this one's first.
+        return sink, decode_chunks(vae, latents)
+    except BaseException:
+        sink.abort()
+        raise
+
+
+def _frame_count_error(
+    path: str | None, got: int, expected: int, latents: torch.Tensor
+) -> SinkError:
+    return SinkError(
+        f"the decoder produced {got} frames but latents of shape {tuple(latents.shape)} make "
+        f"{expected}; the output was discarded, not finished. This is a bug in nostall or an "
+        f"unexpected VAE: please report it with the VAE's config",
+        path=path,
+    )

@@ -31,9 +31,13 @@ sink: convert, blocking copy, write, next chunk.
 
 from __future__ import annotations
 
+import atexit
+import functools
+import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -42,12 +46,14 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from nostall.errors import ClosedError, SinkError
+from nostall.errors import ArgumentError, ClosedError, SinkError
 from nostall.memory.pool import Block, PinnedPool
 from nostall.video.frames import to_uint8_frames
 from nostall.video.sinks import FrameSink
 
 __all__ = ["AsyncFramePipeline", "FrameStats", "SyncFramePipeline", "drain"]
+
+log = logging.getLogger(__name__)
 
 Convert = Callable[[torch.Tensor], torch.Tensor]
 Progress = Callable[[int], None]
@@ -126,10 +132,10 @@ class _Buffers:
 class _Run:
     """One video going through the pipeline: its sink, stats and failure state."""
 
-    __slots__ = ("cancel", "error", "future", "sink", "stats", "t0")
+    __slots__ = ("cancel", "error", "expected", "future", "sink", "stats", "t0")
 
-    def __init__(self, sink: FrameSink, stats: FrameStats):
-        self.sink, self.stats = sink, stats
+    def __init__(self, sink: FrameSink, stats: FrameStats, expected: int | None = None):
+        self.sink, self.stats, self.expected = sink, stats, expected
         self.error: BaseException | None = None
         self.cancel = threading.Event()
         self.future: Future[FrameStats] | None = None
@@ -177,8 +183,12 @@ class _PipelineBase:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.convert = convert
         self._own_pool = pool is None
+        # Registered through this pipeline's GPU: no context appears on GPU 0.
         self._pool = pool or PinnedPool(
-            host_bytes, slab_bytes=host_bytes, pin=self.device.type == "cuda"
+            host_bytes,
+            slab_bytes=host_bytes,
+            pin=self.device.type == "cuda",
+            device=self.device if self.device.type == "cuda" else None,
         )
         self._buffers = _Buffers(self._pool)
         self._closed = False
@@ -268,6 +278,8 @@ class AsyncFramePipeline(_PipelineBase):
     default maps ``(1, 3, t, H, W)`` in [-1, 1] like diffusers does).
 
     One thread drives a pipeline (calls to ``run``/``submit`` come from one thread).
+    A pipeline still open when the interpreter exits is closed then, so videos
+    submitted by a script that never waited for them are still finished.
 
     >>> with AsyncFramePipeline() as pipe, sink_for_path("out.mp4") as sink:  # doctest: +SKIP
     ...     stats = pipe.run(decode_chunks(vae, z), sink)
@@ -294,8 +306,21 @@ class AsyncFramePipeline(_PipelineBase):
         for e in self._host_free:
             e.set()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # The worker sets _worker_error (why it stopped) under _lock and drains the queue
+        # in the same critical section; _put checks it under _lock, so nothing is queued
+        # after the drain and left unsettled.
+        self._lock = threading.Lock()
+        self._worker_error: BaseException | None = None
+        self._exiting = False
         self._worker = threading.Thread(target=self._work, name="nostall-frame-writer", daemon=True)
         self._worker.start()
+        # The worker is a daemon (a forgotten pipeline must not keep a process alive), and
+        # daemon threads are frozen at interpreter exit, which would leave a submitted
+        # video as a hidden .partial file. atexit runs before that; the hook holds only a
+        # weak reference. Registered after our pool, so it runs before the pool's teardown
+        # (atexit is last in, first out).
+        self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
 
     # ---- calling thread ----------------------------------------------------------
 
@@ -313,9 +338,8 @@ class AsyncFramePipeline(_PipelineBase):
         try:
             self._produce(run, chunks, progress)
             finish = _Finish()
-            self._jobs.put(finish)
-            while not finish.done.wait(0.05):
-                self._raise_if_failed(run)
+            self._put(finish)
+            self._wait(finish.done, run)
             self._raise_if_failed(run)
         except BaseException:
             self._abandon(run)
@@ -324,7 +348,12 @@ class AsyncFramePipeline(_PipelineBase):
         return run.stats
 
     def submit(
-        self, chunks: Iterable[torch.Tensor], sink: FrameSink, *, progress: Progress | None = None
+        self,
+        chunks: Iterable[torch.Tensor],
+        sink: FrameSink,
+        *,
+        progress: Progress | None = None,
+        frames: int | None = None,
     ) -> Future[FrameStats]:
         """Launch every chunk, then return while the worker finishes and closes ``sink``.
 
@@ -336,22 +365,28 @@ class AsyncFramePipeline(_PipelineBase):
         seen while chunks are still being launched is raised here instead, with the
         sink aborted. Videos are written in submission order.
 
+        ``frames``, when given, is the number of frames the chunks must add up to: the
+        worker checks it before closing the sink, and on a mismatch aborts it (nothing
+        appears under the final name) and fails the future with :class:`~nostall.SinkError`.
+
         >>> with AsyncFramePipeline() as pipe:  # doctest: +SKIP
         ...     done = [pipe.submit(decode_chunks(vae, z), sink_for_path(f"{i}.mp4"))
         ...             for i, z in enumerate(latents)]
         ...     stats = [f.result() for f in done]
         """
         self._check_open()
-        run = _Run(sink, FrameStats(mode="async"))
+        if frames is not None and (isinstance(frames, bool) or not isinstance(frames, int)):
+            raise ArgumentError(f"frames must be an int or None, got {frames!r}")
+        run = _Run(sink, FrameStats(mode="async"), frames)
         run.future = Future()
         run.future.set_running_or_notify_cancel()
         try:
             self._produce(run, chunks, progress)
+            self._put(_Close(run))
         except BaseException:
             self._abandon(run)
             sink.abort()
             raise
-        self._jobs.put(_Close(run))
         return run.future
 
     def _produce(self, run: _Run, chunks: Iterable[torch.Tensor], progress: Progress | None):
@@ -381,8 +416,7 @@ class AsyncFramePipeline(_PipelineBase):
         nbytes = frames.numel()
         t = time.perf_counter()
         # Back-pressure: the host buffer must be back from the sink before it is refilled.
-        while not self._host_free[i].wait(0.05):
-            self._raise_if_failed(run)
+        self._wait(self._host_free[i], run)
         stats.backpressure_s += time.perf_counter() - t
         self._raise_if_failed(run)
         host = self._buffers.host_view(i, nbytes)
@@ -407,7 +441,33 @@ class AsyncFramePipeline(_PipelineBase):
             event = self._copied[i]
             self._in_use[i] = True
         self._host_free[i].clear()
-        self._jobs.put(_Job(run, i, frames_host, event))
+        self._put(_Job(run, i, frames_host, event))
+
+    def _put(self, item: Any) -> None:
+        with self._lock:
+            if self._worker_error is not None or not self._worker.is_alive():
+                raise self._gone()
+            self._jobs.put(item)
+
+    def _wait(self, event: threading.Event, run: _Run | None) -> None:
+        """Wait for the worker to set ``event``; raise if ``run`` failed or the worker is gone."""
+        while not event.wait(0.05):
+            if run is not None:
+                self._raise_if_failed(run)
+            # A dead worker never sets the event: raise instead of waiting forever.
+            if not self._worker.is_alive() and not event.is_set():
+                raise self._gone()
+
+    def _gone(self) -> SinkError:
+        cause = self._worker_error
+        why = f" on {type(cause).__name__}: {cause}" if cause is not None else ""
+        err = SinkError(
+            f"the pipeline's writer thread {self._worker.name!r} has stopped{why}, so no "
+            f"video can be written through this pipeline; close it and create a new "
+            f"AsyncFramePipeline"
+        )
+        err.__cause__ = cause
+        return err
 
     @staticmethod
     def _raise_if_failed(run: _Run) -> None:
@@ -419,53 +479,82 @@ class AsyncFramePipeline(_PipelineBase):
         """Stop the run's remaining jobs and wait until the worker no longer touches buffers."""
         run.cancel.set()
         finish = _Finish()
-        self._jobs.put(finish)
-        finish.done.wait()
+        try:
+            self._put(finish)
+            self._wait(finish.done, None)
+        except SinkError:
+            pass  # the worker is gone: it touches no buffer any more
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
 
     # ---- worker thread -----------------------------------------------------------
 
     def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is _STOP:
-                return
-            if isinstance(job, _Finish):
-                job.done.set()
-                continue
-            if isinstance(job, _Close):
-                self._close_sink(job.run)
-                continue
-            run = job.run
-            try:
-                if run.cancel.is_set() or run.error is not None:
-                    continue
-                stats = run.stats
-                t = time.perf_counter()
-                if job.event is not None:
-                    job.event.synchronize()  # chunk's bytes are in host buffer `slot`
-                t1 = time.perf_counter()
-                with record_function("nostall.write"):
-                    run.sink.write(job.host.numpy())
-                t2 = time.perf_counter()
-                frames = job.host.shape[0]
-                stats.copy_wait_s += t1 - t
-                stats.write_s += t2 - t1
-                stats.chunk_log.append((frames, t1 - run.t0, t2 - run.t0))
-                stats.chunks += 1
-                stats.frames += frames
-                stats.bytes += job.host.numel()
-            except BaseException as e:
-                run.error = e
-            finally:
-                job.host = None  # the sink is done with it; never keep the view around
-                self._host_free[job.slot].set()
+        item: Any = None
+        try:
+            while True:
+                item = self._jobs.get()
+                if item is _STOP:
+                    return
+                if isinstance(item, _Finish):
+                    item.done.set()
+                elif isinstance(item, _Close):
+                    self._close_sink(item.run)
+                else:
+                    self._write(item)
+                item = None
+        except BaseException as e:
+            # Sink failures belong to their run and never get here; this is a bug in
+            # nostall. Settle everything queued, so that nobody waits for this thread.
+            log.exception("the frame writer thread stopped on an unexpected error")
+            with self._lock:
+                self._worker_error = e
+                pending = [] if item is None else [item]
+                while True:
+                    try:
+                        pending.append(self._jobs.get_nowait())
+                    except queue.Empty:
+                        break
+            for p in pending:
+                self._fail(p, e)
 
-    @staticmethod
-    def _close_sink(run: _Run) -> None:
+    def _write(self, job: _Job) -> None:
+        run = job.run
+        try:
+            if run.cancel.is_set() or run.error is not None:
+                return
+            stats = run.stats
+            t = time.perf_counter()
+            if job.event is not None:
+                job.event.synchronize()  # chunk's bytes are in host buffer `slot`
+            t1 = time.perf_counter()
+            with record_function("nostall.write"):
+                run.sink.write(job.host.numpy())
+            t2 = time.perf_counter()
+            frames = job.host.shape[0]
+            stats.copy_wait_s += t1 - t
+            stats.write_s += t2 - t1
+            stats.chunk_log.append((frames, t1 - run.t0, t2 - run.t0))
+            stats.chunks += 1
+            stats.frames += frames
+            stats.bytes += job.host.numel()
+        except BaseException as e:
+            run.error = e
+        finally:
+            job.host = None  # the sink is done with it; never keep the view around
+            self._host_free[job.slot].set()
+
+    def _close_sink(self, run: _Run) -> None:
         future = run.future
         assert future is not None
+        got, expected = run.stats.frames, run.expected
+        if run.error is None and expected is not None and got != expected:
+            # Checked before close(): a short video must never appear under its final name.
+            run.error = SinkError(
+                f"{got} frames reached the sink but {expected} were expected; the output "
+                f"was discarded, not finished",
+                path=run.sink.path,
+            )
         if run.error is None:
             t = time.perf_counter()
             try:
@@ -477,20 +566,62 @@ class AsyncFramePipeline(_PipelineBase):
                 run.stats.wall_s = time.perf_counter() - run.t0
                 future.set_result(run.stats)
                 return
+        err = _sink_error(run.error)
+        self._abort(run, err)
+        if self._exiting:  # nobody is left to read the future
+            log.error("a video submitted before exit was not written: %s", err)
+        future.set_exception(err)
+
+    @staticmethod
+    def _abort(run: _Run, err: BaseException) -> None:
         try:
             run.sink.abort()
-        finally:
-            future.set_exception(_sink_error(run.error))
+        except BaseException as e:  # the worker must outlive a sink that cannot clean up
+            log.error(
+                "aborting %r after %s failed too: %s: %s; its temporary output may remain",
+                run.sink,
+                type(err).__name__,
+                type(e).__name__,
+                e,
+            )
+            err.add_note(f"aborting the sink failed too: {type(e).__name__}: {e}")
+
+    def _fail(self, item: Any, err: BaseException) -> None:
+        """Settle a queued item the worker will never handle (it stopped on ``err``)."""
+        if isinstance(item, _Finish):
+            item.done.set()
+        elif isinstance(item, _Job):
+            item.run.error = item.run.error or err
+            item.host = None
+            self._host_free[item.slot].set()
+        elif isinstance(item, _Close):
+            run = item.run
+            run.error = run.error or err
+            failure = _sink_error(run.error)
+            self._abort(run, failure)
+            if run.future is not None and not run.future.done():
+                run.future.set_exception(failure)
 
     def close(self) -> None:
-        """Join the worker thread and release the buffers. Idempotent."""
+        """Finish the submitted videos, join the worker thread and release the buffers.
+
+        Idempotent. Runs by itself at interpreter exit for a pipeline still open then.
+        """
         if self._closed:
             return
-        self._jobs.put(_STOP)
+        atexit.unregister(self._at_exit)
+        self._jobs.put(_STOP)  # after every queued job: submitted videos are finished first
         self._worker.join()
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
         super().close()
+
+
+def _close_at_exit(ref: weakref.ref[AsyncFramePipeline]) -> None:
+    pipe = ref()
+    if pipe is not None and not pipe._closed:
+        pipe._exiting = True
+        pipe.close()
 
 
 def drain(

@@ -37,6 +37,7 @@ __all__ = [
     "NullSink",
     "PngSink",
     "Y4mSink",
+    "check_sink_path",
     "sink_for_path",
 ]
 
@@ -318,14 +319,8 @@ class _AtomicSink(FrameSink):
     def __init__(self, path: str | os.PathLike[str]) -> None:
         super().__init__()
         self._path = os.fspath(path)
+        self._check_path(self._path)
         folder = os.path.dirname(os.path.abspath(self._path))
-        if not os.path.isdir(folder):
-            raise SinkError(
-                f"the folder {folder!r} does not exist; create it first "
-                f"(os.makedirs({folder!r}, exist_ok=True)) or choose another output path",
-                path=self._path,
-            )
-        self._check_target()
         name = os.path.basename(os.path.abspath(self._path))
         for _ in range(16):
             tmp = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.partial")
@@ -352,12 +347,25 @@ class _AtomicSink(FrameSink):
         """Where the output is written until ``close()`` renames it to :attr:`path`."""
         return self._tmp
 
-    def _check_target(self) -> None:
-        if os.path.isdir(self._path):
+    @classmethod
+    def _check_path(cls, path: str) -> None:
+        """Raise SinkError if no output can be written at ``path``; creates nothing."""
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
             raise SinkError(
-                f"{self._path!r} is a folder, but {type(self).__name__} writes one file; "
+                f"the folder {folder!r} does not exist; create it first "
+                f"(os.makedirs({folder!r}, exist_ok=True)) or choose another output path",
+                path=path,
+            )
+        cls._check_target(path)
+
+    @classmethod
+    def _check_target(cls, path: str) -> None:
+        if os.path.isdir(path):
+            raise SinkError(
+                f"{path!r} is a folder, but {cls.__name__} writes one file; "
                 f"give a file path inside it",
-                path=self._path,
+                path=path,
             )
 
     def _create_temp(self, tmp: str) -> None:
@@ -470,21 +478,28 @@ class PngSink(_AtomicSink):
             raise ImportError("PngSink needs Pillow: pip install pillow") from e
         self._image = Image
         self._compress_level = compress_level
-        folder = os.fspath(folder)
-        super().__init__(folder.rstrip("/" + os.sep) or folder)
+        super().__init__(self._strip(os.fspath(folder)))
 
-    def _check_target(self) -> None:
-        if os.path.lexists(self._path) and not os.path.isdir(self._path):
+    @staticmethod
+    def _strip(folder: str) -> str:
+        return folder.rstrip("/" + os.sep) or folder
+
+    @classmethod
+    def _check_path(cls, path: str) -> None:
+        super()._check_path(cls._strip(path))
+
+    @classmethod
+    def _check_target(cls, path: str) -> None:
+        if os.path.lexists(path) and not os.path.isdir(path):
             raise SinkError(
-                f"{self._path!r} exists and is not a folder; PngSink needs a folder path",
-                path=self._path,
+                f"{path!r} exists and is not a folder; PngSink needs a folder path", path=path
             )
-        if os.path.isdir(self._path) and os.listdir(self._path):
+        if os.path.isdir(path) and os.listdir(path):
             raise SinkError(
-                f"the folder {self._path!r} already holds files; PngSink writes only into a "
+                f"the folder {path!r} already holds files; PngSink writes only into a "
                 f"new or empty folder so frames of different runs never mix: remove it or "
                 f"choose another folder",
-                path=self._path,
+                path=path,
             )
 
     def _create_temp(self, tmp: str) -> None:
@@ -535,13 +550,7 @@ class _AvSink(_AtomicSink):
 
     def __init__(self, path: str | os.PathLike[str], *, fps: float | Fraction) -> None:
         self._fps = _check_fps(fps, path)
-        self._av = _import_av(type(self).__name__)
-        if self._codec not in self._av.codecs_available:
-            raise SinkError(
-                f"this PyAV build has no {self._codec!r} encoder; install the PyAV wheel "
-                f"from PyPI (pip install av), which bundles it",
-                path=path,
-            )
+        self._av = self._check_codec(path)
         self._container: Any = None
         self._stream: Any = None
         super().__init__(path)
@@ -550,6 +559,17 @@ class _AvSink(_AtomicSink):
         except (OSError, self._av.FFmpegError) as e:
             self._discard()
             raise SinkError(f"cannot open {self._tmp!r} for writing: {e}", path=path) from e
+
+    @classmethod
+    def _check_codec(cls, path: str | os.PathLike[str]) -> ModuleType:
+        av = _import_av(cls.__name__)
+        if cls._codec not in av.codecs_available:
+            raise SinkError(
+                f"this PyAV build has no {cls._codec!r} encoder; install the PyAV wheel "
+                f"from PyPI (pip install av), which bundles it",
+                path=path,
+            )
+        return av
 
     def _io_errors(self) -> tuple[type[BaseException], ...]:
         return (OSError, self._av.FFmpegError)
@@ -594,6 +614,17 @@ _AVCOL_BT709 = 1
 _AVCOL_RANGE_MPEG = 1
 
 
+def _check_x264(preset: str, crf: float, threads: int, path: str | os.PathLike[str]) -> None:
+    if preset not in _X264_PRESETS:
+        raise SinkError(
+            f"unknown x264 preset {preset!r}; use one of {', '.join(_X264_PRESETS)}", path=path
+        )
+    if isinstance(crf, bool) or not isinstance(crf, (int, float)) or not 0 <= crf <= 51:
+        raise SinkError(f"crf must be a number in 0..51 (lower is better), got {crf!r}", path=path)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise SinkError(f"threads must be an int >= 0 (0 = automatic), got {threads!r}", path=path)
+
+
 class Mp4Sink(_AvSink):
     """Encode frames to H.264 (libx264, yuv420p) in an MP4, via PyAV.
 
@@ -621,19 +652,7 @@ class Mp4Sink(_AvSink):
         crf: float = 23,
         threads: int = 0,
     ) -> None:
-        if preset not in _X264_PRESETS:
-            raise SinkError(
-                f"unknown x264 preset {preset!r}; use one of {', '.join(_X264_PRESETS)}",
-                path=path,
-            )
-        if isinstance(crf, bool) or not isinstance(crf, (int, float)) or not 0 <= crf <= 51:
-            raise SinkError(
-                f"crf must be a number in 0..51 (lower is better), got {crf!r}", path=path
-            )
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
-            raise SinkError(
-                f"threads must be an int >= 0 (0 = automatic), got {threads!r}", path=path
-            )
+        _check_x264(preset, crf, threads, path)
         self._preset = preset
         self._crf = crf
         self._threads = threads
@@ -722,17 +741,59 @@ def sink_for_path(
     """
     raw = os.fspath(path)
     _check_fps(fps, raw)
-    if raw == os.devnull:
-        return NullSink()
-    if raw.endswith(("/", os.sep)) or os.path.isdir(raw):
-        return PngSink(raw)
-    suffix = os.path.splitext(raw)[1].lower()
-    if suffix == "":
-        return PngSink(raw)
-    if suffix == ".mp4":
+    kind = _sink_class(raw)
+    if kind is Mp4Sink:
         return Mp4Sink(raw, fps=fps, preset=preset, crf=crf, threads=threads)
-    if suffix == ".npy":
-        return NpySink(raw)
-    if suffix == ".y4m":
+    if kind is Y4mSink:
         return Y4mSink(raw, fps=fps)
-    raise SinkError(f"unsupported output suffix {suffix!r}; supported: {_SUPPORTED}", path=raw)
+    if kind is NullSink:
+        return NullSink()
+    return kind(raw)
+
+
+def check_sink_path(
+    path: str | os.PathLike[str],
+    *,
+    fps: float | Fraction = 16,
+    preset: str = "veryfast",
+    crf: float = 23,
+    threads: int = 0,
+) -> None:
+    """Raise :class:`SinkError` where :func:`sink_for_path` would; create nothing.
+
+    Checks the suffix, the folder, what is already at ``path``, ``fps`` and, for mp4,
+    ``preset``/``crf``/``threads`` and the encoder, so a caller can refuse a bad output
+    before loading a model or decoding anything.
+
+    Example::
+
+        >>> check_sink_path("out/clip.mp4", crf=60)
+        Traceback (most recent call last):
+        nostall.errors.SinkError: out/clip.mp4: crf must be a number in 0..51 ...
+    """
+    raw = os.fspath(path)
+    _check_fps(fps, raw)
+    kind = _sink_class(raw)
+    if kind is Mp4Sink:
+        _check_x264(preset, crf, threads, raw)
+    if issubclass(kind, _AvSink):
+        kind._check_codec(raw)
+    if issubclass(kind, _AtomicSink):
+        kind._check_path(raw)
+
+
+def _sink_class(raw: str) -> type[FrameSink]:
+    if raw == os.devnull:
+        return NullSink
+    if raw.endswith(("/", os.sep)) or os.path.isdir(raw):
+        return PngSink
+    suffix = os.path.splitext(raw)[1].lower()
+    kinds: dict[str, type[FrameSink]] = {
+        "": PngSink,
+        ".mp4": Mp4Sink,
+        ".npy": NpySink,
+        ".y4m": Y4mSink,
+    }
+    if suffix not in kinds:
+        raise SinkError(f"unsupported output suffix {suffix!r}; supported: {_SUPPORTED}", path=raw)
+    return kinds[suffix]

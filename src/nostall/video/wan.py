@@ -20,17 +20,19 @@ Example::
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Iterator
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nostall.errors import LatentsError
+from nostall.errors import LatentsError, UnsupportedError
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan
 
-__all__ = ["check_latents", "decode_chunks", "denormalize", "frame_count"]
+__all__ = ["check_latents", "decode_chunks", "denormalize", "frame_count", "vae_placement"]
 
 # Wan VAEs (2.1 and 2.2) compress time 4x: the first latent frame decodes to 1 frame,
 # every later one to 4.
@@ -55,11 +57,21 @@ def frame_count(latent_frames: int) -> int:
     return 1 + _TEMPORAL_FACTOR * (latent_frames - 1)
 
 
-def check_latents(vae: AutoencoderKLWan, z: torch.Tensor) -> None:
+def check_latents(vae: AutoencoderKLWan, z: torch.Tensor, *, placement: bool = True) -> None:
     """Raise :class:`LatentsError` unless ``z`` can be decoded by ``vae``.
 
     ``z`` must be a floating-point 5-D tensor ``(B, C, T, h, w)`` with ``C ==
-    vae.config.z_dim`` (16 for Wan 2.1, 48 for the Wan 2.2 5B VAE) and no empty dimension.
+    vae.config.z_dim`` (16 for Wan 2.1, 48 for the Wan 2.2 5B VAE), no empty dimension,
+    the dtype and device of the VAE's weights, and no NaN or inf (which would decode to
+    a black or garbage video). ``placement=False`` skips the dtype and device
+    comparison, for latents still on the host that will be moved with
+    ``z.to(device=..., dtype=...)`` before decoding.
+
+    ``vae`` must be diffusers' ``AutoencoderKLWan`` (or ``torch.compile`` of one):
+    anything else raises :class:`~nostall.UnsupportedError` before its config is read.
+
+    The NaN/inf check is one reduction over the latents (tens of MB at most); on a GPU
+    it waits for the work that produced them.
 
     Example::
 
@@ -68,6 +80,14 @@ def check_latents(vae: AutoencoderKLWan, z: torch.Tensor) -> None:
         Traceback (most recent call last):
         nostall.errors.LatentsError: latents must be 5-D (B, C, T, h, w) = (B, 16, T, h, w); ...
     """
+    wan = _as_wan(vae)  # before vae.config is read: other objects may have no z_dim
+    _check_shape(wan, z)
+    if placement:
+        _check_placement(wan, z)
+    _check_finite(z)
+
+
+def _check_shape(vae: AutoencoderKLWan, z: Any) -> None:
     z_dim = int(vae.config.z_dim)
     expected = f"(B, {z_dim}, T, h, w)"
     if not isinstance(z, torch.Tensor):
@@ -102,12 +122,83 @@ def check_latents(vae: AutoencoderKLWan, z: torch.Tensor) -> None:
         )
 
 
+def vae_placement(vae: AutoencoderKLWan) -> tuple[torch.device | None, torch.dtype | None]:
+    """The device and dtype latents must have to be decoded by ``vae``.
+
+    Taken from the weight that first reads the latents (``post_quant_conv``). A VAE
+    offloaded with accelerate (``enable_model_cpu_offload``) reports the device its
+    hook runs it on. ``None`` where it cannot be told: weights on the meta device
+    without a hook, or stored in a dtype that is only a storage format (float8 with
+    diffusers' layerwise casting computes in another dtype).
+
+    Example::
+
+        >>> vae_placement(vae.to("cuda", torch.bfloat16))
+        (device(type='cuda', index=0), torch.bfloat16)
+    """
+    weight, hooked = _first_weight(_as_wan(vae))
+    if weight is None:
+        return None, None
+    device: torch.device | None = weight.device
+    if hooked is not None:
+        device = torch.device("cuda", hooked) if isinstance(hooked, int) else torch.device(hooked)
+    elif weight.device.type == "meta":
+        device = None
+    dtype: torch.dtype | None = weight.dtype
+    if not weight.is_floating_point() or weight.element_size() < 2:
+        dtype = None
+    return device, dtype
+
+
+def _check_placement(vae: AutoencoderKLWan, z: torch.Tensor) -> None:
+    device, dtype = vae_placement(vae)
+    wrong_device = device is not None and not _same_device(z.device, device)
+    wrong_dtype = dtype is not None and z.dtype != dtype
+    if not (wrong_device or wrong_dtype):
+        return
+    want_device = device if device is not None else z.device
+    want_dtype = dtype if dtype is not None else z.dtype
+    raise LatentsError(
+        f"latents are {z.dtype} on {z.device}, but this VAE's weights are {want_dtype} on "
+        f"{want_device}; vae.decode would fail on them. Move them first: "
+        f"z = z.to(device={str(want_device)!r}, dtype={want_dtype})"
+    )
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    # torch.device("cuda") means the current GPU; tensors always carry an index.
+    if a.type == "cuda" and (a.index is None or b.index is None):
+        current = torch.cuda.current_device()
+        return (a.index if a.index is not None else current) == (
+            b.index if b.index is not None else current
+        )
+    return a.index == b.index
+
+
+def _check_finite(z: torch.Tensor) -> None:
+    # One elementwise pass and one reduction; .item() waits for the latents to exist.
+    bad = z.numel() - int(torch.isfinite(z).sum().item())
+    if bad == 0:
+        return
+    nan = int(torch.isnan(z).sum().item())  # failure path only
+    raise LatentsError(
+        f"latents hold {bad} non-finite values ({nan} NaN, {bad - nan} inf) out of "
+        f"{z.numel()} (shape {tuple(z.shape)}, {z.dtype}); they would decode to a black or "
+        f"garbage video. Look at the run that produced them: NaN usually comes from fp16 "
+        f"overflow in the transformer (run it in bf16 or fp32), inf from casting large "
+        f"values to fp16"
+    )
+
+
 def denormalize(vae: AutoencoderKLWan, latents: torch.Tensor) -> torch.Tensor:
     """Undo the per-channel latent normalisation: ``latents * std + mean``.
 
     ``mean``/``std`` come from ``vae.config.latents_mean`` / ``latents_std``, broadcast as
     ``(1, C, 1, 1, 1)`` in the latents' dtype and device; the result is what
-    ``vae.decode`` expects.
+    ``vae.decode`` expects. Only the shape is checked here; the decode that follows
+    checks dtype, device and values.
 
     The arithmetic is spelled exactly as in diffusers' ``WanPipeline``
     (``latents / (1 / std) + mean``, rounded in the latents' dtype) rather than
@@ -118,7 +209,17 @@ def denormalize(vae: AutoencoderKLWan, latents: torch.Tensor) -> torch.Tensor:
         >>> z = denormalize(vae, latents)           # latents: (1, 16, 21, 60, 104)
         >>> video = vae.decode(z).sample
     """
-    check_latents(vae, latents)
+    vae = _as_wan(vae)
+    _check_shape(vae, latents)
+    c = int(vae.config.z_dim)
+    mean, std = _latents_stats(vae)
+    mean_t = torch.tensor(mean).view(1, c, 1, 1, 1).to(latents.device, latents.dtype)
+    inv_std = 1.0 / torch.tensor(std).view(1, c, 1, 1, 1).to(latents.device, latents.dtype)
+    return latents / inv_std + mean_t
+
+
+def _latents_stats(vae: AutoencoderKLWan) -> tuple[list[float], list[float]]:
+    """``vae.config.latents_mean`` and ``latents_std``, checked against ``z_dim``."""
     c = int(vae.config.z_dim)
     mean = getattr(vae.config, "latents_mean", None)
     std = getattr(vae.config, "latents_std", None)
@@ -128,9 +229,7 @@ def denormalize(vae: AutoencoderKLWan, latents: torch.Tensor) -> torch.Tensor:
             f"{None if mean is None else len(mean)} and {None if std is None else len(std)}; "
             f"load the VAE config that matches the checkpoint"
         )
-    mean_t = torch.tensor(mean).view(1, c, 1, 1, 1).to(latents.device, latents.dtype)
-    inv_std = 1.0 / torch.tensor(std).view(1, c, 1, 1, 1).to(latents.device, latents.dtype)
-    return latents / inv_std + mean_t
+    return [float(m) for m in mean], [float(s) for s in std]
 
 
 def decode_chunks(vae: AutoencoderKLWan, z: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -141,6 +240,12 @@ def decode_chunks(vae: AutoencoderKLWan, z: torch.Tensor) -> Iterator[torch.Tens
     each later one; ``torch.cat(list(decode_chunks(vae, z)), dim=2)`` equals
     ``vae.decode(z).sample`` bit for bit. ``z`` is the *denormalized* latent (see
     :func:`denormalize`). Runs without autograd; the caller's grad mode is untouched.
+
+    ``vae`` is diffusers' ``AutoencoderKLWan``; anything else raises
+    :class:`~nostall.UnsupportedError`. ``torch.compile(vae)`` is accepted: it compiles
+    ``vae.forward`` only, so ``vae.decode`` runs the plain decoder, and so does this.
+    A compiled decoder (``vae.decoder = torch.compile(vae.decoder)``) is called exactly
+    as ``vae.decode`` calls it.
 
     The latents are checked now (:class:`LatentsError`), not at the first ``next()``.
     Spatial tiling (``vae.enable_tiling()``) that would actually split these latents is
@@ -214,6 +319,8 @@ def _decode_chunks(internals: _WanInternals, z: torch.Tensor) -> Iterator[torch.
 #   unpatchify(x, patch_size) + config.patch_size  Wan 2.2 5B: 12 -> 3 channels, 2x space
 #   use_tiling / use_slicing / tile_sample_min_*   decide which path vae.decode takes
 #   _hf_hook.pre_forward(vae)                      accelerate CPU offload, as decode does
+#   _hf_hook.execution_device                      where an offloaded VAE runs
+#   torch.compile's OptimizedModule._orig_mod      the module inside the wrapper
 #
 # If diffusers changes _decode, the bit-equality tests in tests/video/test_wan.py fail.
 # ---------------------------------------------------------------------------------------
@@ -221,59 +328,110 @@ def _decode_chunks(internals: _WanInternals, z: torch.Tensor) -> Iterator[torch.
 _TESTED_DIFFUSERS = "0.42.1"
 
 
+def _wan_module() -> ModuleType:
+    try:
+        from diffusers.models.autoencoders import autoencoder_kl_wan as wan_module
+    except ImportError as e:
+        raise _incompatible("diffusers.models.autoencoders.autoencoder_kl_wan") from e
+    missing = [n for n in ("AutoencoderKLWan", "WanCausalConv3d") if not hasattr(wan_module, n)]
+    if missing:
+        raise _incompatible(", ".join(missing))
+    return wan_module
+
+
+def _first_weight(vae: AutoencoderKLWan) -> tuple[torch.Tensor | None, Any]:
+    """The weight that first reads the latents, and an accelerate hook's execution device."""
+    conv = getattr(vae, "post_quant_conv", None)
+    weight = getattr(conv, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        weight = next(vae.parameters(), None)
+    # enable_model_cpu_offload hooks the VAE; sequential offload hooks each leaf module.
+    for module in (vae, conv):
+        hooked = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+        if hooked is not None:
+            return weight, hooked
+    return weight, None
+
+
+def _compiled_original(module: Any) -> Any:
+    """The module inside ``torch.compile(module)``'s wrapper, or ``None`` if not wrapped."""
+    # An OptimizedModule can only exist once torch._dynamo is imported; importing it
+    # here just to find out would cost a second.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper = getattr(eval_frame, "OptimizedModule", None)
+    if wrapper is not None and isinstance(module, wrapper):
+        return module._orig_mod
+    return None
+
+
+def _as_wan(vae: Any) -> AutoencoderKLWan:
+    """``vae`` itself, or the module inside ``torch.compile(vae)``; UnsupportedError otherwise."""
+    wan_module = _wan_module()
+    inner = vae
+    # torch.compile(vae) compiles vae.forward (encode + decode) only; vae.decode, through
+    # the wrapper, runs the original module. Unwrapping therefore decodes exactly as
+    # vae.decode does, bit for bit.
+    while (orig := _compiled_original(inner)) is not None:
+        inner = orig
+    if not isinstance(inner, wan_module.AutoencoderKLWan):
+        found = f"{type(inner).__module__}.{type(inner).__qualname__}"
+        if inner is not vae:
+            found = f"torch.compile of {found}"
+        raise UnsupportedError(
+            f"nostall.video decodes diffusers' AutoencoderKLWan (the Wan 2.1 / 2.2 VAE, or "
+            f"torch.compile of one) and nothing else; got {found}. Load the Wan VAE with "
+            f"AutoencoderKLWan.from_pretrained(..., subfolder='vae') or "
+            f"nostall.load_model(folder), or decode other VAEs with vae.decode(z)"
+        )
+    return inner
+
+
+def _incompatible(what: str) -> UnsupportedError:
+    try:
+        from diffusers import __version__ as version
+    except ImportError:
+        version = "(unknown version)"
+    return UnsupportedError(
+        f"nostall.video.wan relies on diffusers' AutoencoderKLWan internals, and the "
+        f"installed diffusers {version} lacks {what} (tested with "
+        f"{_TESTED_DIFFUSERS}). Install a tested diffusers version, or decode with "
+        f"vae.decode(z) instead of decode_chunks"
+    )
+
+
 class _WanInternals:
     """Checked access to the private parts of ``AutoencoderKLWan`` that chunking needs."""
 
     def __init__(self, vae: AutoencoderKLWan) -> None:
-        try:
-            from diffusers.models.autoencoders import autoencoder_kl_wan as wan_module
-        except ImportError as e:
-            raise self._incompatible("diffusers.models.autoencoders.autoencoder_kl_wan") from e
-        missing = [n for n in ("AutoencoderKLWan", "WanCausalConv3d") if not hasattr(wan_module, n)]
-        if missing:
-            raise self._incompatible(", ".join(missing))
-        if not isinstance(vae, wan_module.AutoencoderKLWan):
-            raise TypeError(
-                f"decode_chunks needs a diffusers AutoencoderKLWan (the Wan 2.1 / 2.2 VAE), "
-                f"got {type(vae).__module__}.{type(vae).__name__}"
-            )
+        wan_module = _wan_module()
+        vae = _as_wan(vae)
         missing = [n for n in ("decoder", "post_quant_conv", "config") if not hasattr(vae, n)]
         if missing:
-            raise self._incompatible(", ".join(f"vae.{n}" for n in missing))
+            raise _incompatible(", ".join(f"vae.{n}" for n in missing))
 
-        params = inspect.signature(vae.decoder.forward).parameters
+        # A compiled decoder's forward takes (*args, **kwargs); read the signature of the
+        # module it wraps, and still call the compiled one, as vae.decode does.
+        decoder = _compiled_original(vae.decoder) or vae.decoder
+        params = inspect.signature(decoder.forward).parameters
         if "feat_cache" not in params or "feat_idx" not in params:
-            raise self._incompatible("decoder.forward(feat_cache=, feat_idx=)")
+            raise _incompatible("decoder.forward(feat_cache=, feat_idx=)")
         self._pass_first_chunk = "first_chunk" in params
         config = vae.config
         # Only residual (Wan 2.2) decoders use first_chunk: it trims the duplicated frames
         # of the first chunk's DupUp3D shortcut. Older diffusers lacked both.
         if getattr(config, "is_residual", False) and not self._pass_first_chunk:
-            raise self._incompatible("decoder.forward(first_chunk=) for is_residual VAEs")
+            raise _incompatible("decoder.forward(first_chunk=) for is_residual VAEs")
         self._patch_size: int | None = getattr(config, "patch_size", None)
         self._unpatchify = None
         if self._patch_size is not None:
             self._unpatchify = getattr(wan_module, "unpatchify", None)
             if self._unpatchify is None:
-                raise self._incompatible("unpatchify (needed for patch_size VAEs)")
+                raise _incompatible("unpatchify (needed for patch_size VAEs)")
 
         self._vae = vae
         # One slot per causal conv, exactly as AutoencoderKLWan.clear_cache sizes _feat_map.
         conv = wan_module.WanCausalConv3d
-        self._cache_slots = sum(isinstance(m, conv) for m in vae.decoder.modules())
-
-    @staticmethod
-    def _incompatible(what: str) -> RuntimeError:
-        try:
-            from diffusers import __version__ as version
-        except ImportError:
-            version = "(unknown version)"
-        return RuntimeError(
-            f"nostall.video.wan relies on diffusers' AutoencoderKLWan internals, and the "
-            f"installed diffusers {version} lacks {what} (tested with "
-            f"{_TESTED_DIFFUSERS}). Install a tested diffusers version, or decode with "
-            f"vae.decode(z) instead of decode_chunks"
-        )
+        self._cache_slots = sum(isinstance(m, conv) for m in decoder.modules())
 
     def tile_latent_size(self) -> str:
         ratio = self._vae.spatial_compression_ratio
