@@ -196,12 +196,14 @@ def test_prefetch_moves_the_next_pipeline_and_protects_it(store, cache):
 
 
 def test_prefetch_without_room_fails_its_future_not_the_running_pipeline(store):
-    with nostall.ModelCache(store, device="cpu", gpu_budget=2_000_000, host_budget=64 * MB) as c:
-        with c.use("sdxl") as pipe:
-            future = c.prefetch("flux")
-            with pytest.raises(BudgetExceeded, match="prefetch never evicts"):
-                future.result(30)
-            assert np.array_equal(run(pipe, "sdxl"), reference(store, "sdxl"))
+    with (
+        nostall.ModelCache(store, device="cpu", gpu_budget=2_000_000, host_budget=64 * MB) as c,
+        c.use("sdxl") as pipe,
+    ):
+        future = c.prefetch("flux")
+        with pytest.raises(BudgetExceeded, match="prefetch never evicts"):
+            future.result(30)
+        assert np.array_equal(run(pipe, "sdxl"), reference(store, "sdxl"))
 
 
 def test_stats_evict_and_close(store):

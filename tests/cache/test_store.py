@@ -30,7 +30,7 @@ def test_a_mapping_of_names_works_too(store):
     s = Store({"my-flux": store / "flux"})
     assert s.names() == ["my-flux"]
     assert s.entry("my-flux").class_name == "FluxPipeline"
-    with pytest.raises(CheckpointError, match="model_index.json"):
+    with pytest.raises(CheckpointError, match=r"model_index\.json"):
         Store({"x": store / "flux" / "vae"})
 
 
