@@ -18,7 +18,7 @@ import torch
 from nostall.memory.pool import PinnedPool
 from nostall.transfer.loader import Loader, LoadStats
 
-__all__ = ["DemoRow", "demo_tensors", "run_demo"]
+__all__ = ["DemoRow", "demo_tensors", "run_demo", "run_switch_demo"]
 
 
 def demo_tensors(nbytes: int, *, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -128,3 +128,48 @@ def run_video_demo(*, device: str, path: str) -> tuple[str, object]:
     with torch.inference_mode():
         result = decode_to_file(vae, z, path, fps=16)
     return what, result
+
+
+def run_switch_demo(*, device: str, folder: str | None = None) -> tuple[list, bool]:
+    """Write a store of tiny random pipelines and switch flux → sdxl → flux → flux-b → flux
+    through a :class:`~nostall.ModelCache` whose device tier holds one pipeline at a time.
+
+    Returns the switch reports and whether every image equals the same pipeline's from
+    diffusers ``from_pretrained`` (two denoising steps, fixed seed).
+    """
+    import logging
+
+    import numpy as np
+    from diffusers import DiffusionPipeline
+
+    from nostall.bench.stores import write_store
+    from nostall.cache import ModelCache
+
+    logging.getLogger("diffusers").setLevel(logging.ERROR)
+    dev = torch.device(device)
+
+    def image(pipe, name: str):
+        pipe.set_progress_bar_config(disable=True)
+        kw = {"max_sequence_length": 16} if name.startswith("flux") else {}
+        g = torch.Generator(device=dev.type).manual_seed(0)
+        return pipe(
+            prompt="a lighthouse",
+            num_inference_steps=2,
+            height=32,
+            width=32,
+            output_type="np",
+            generator=g,
+            **kw,
+        ).images
+
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        paths = write_store(tmp, ("flux", "flux-b", "sdxl"))
+        refs = {n: image(DiffusionPipeline.from_pretrained(p).to(dev), n) for n, p in paths.items()}
+        reports, equal = [], True
+        # 2 MB: one tiny pipeline (SDXL is 1.6 MB) at a time.
+        with ModelCache(tmp, device=dev, gpu_budget=2_000_000, host_budget=64 << 20) as cache:
+            for name in ("flux", "sdxl", "flux", "flux-b", "flux"):
+                with cache.use(name) as pipe:
+                    equal &= bool(np.array_equal(image(pipe, name), refs[name]))
+                reports.append(cache.last_report)
+        return reports, equal

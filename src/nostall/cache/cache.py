@@ -208,6 +208,22 @@ class ModelCache:
         self.store.entry(name)  # unknown names fail here, not in the future
         return self._prefetcher.submit(lambda: self._switch(name, mode="prefetch")[1])
 
+    def prepare(self, *names: str) -> None:
+        """Do now, off the request path, what the first switch would otherwise do: take
+        the device tier's memory, pin the host tier, start the copy stream, import
+        diffusers and transformers, and read (and digest) the named pipelines' folders.
+        A worker calls it at boot."""
+        self._check_open()
+        import diffusers  # noqa: F401  (seconds of imports a first request must not pay)
+        import transformers  # noqa: F401
+
+        for name in names:
+            self.store.entry(name)
+        with self._lock:
+            self._tier.buffer()
+        self._host.pool.wait_pinned()
+        self._loader.prepare(self.device)
+
     @property
     def last_report(self) -> SwitchReport | None:
         return self.reports[-1] if self.reports else None

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["ComponentSwitch", "SwitchReport"]
+__all__ = ["ComponentSwitch", "SwitchReport", "human_bytes"]
+
+
+def human_bytes(n: int) -> str:
+    """``23.78 GB``, ``277.1 kB``: sizes in a table, readable at every scale."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
 
 
 @dataclass(frozen=True)
@@ -91,11 +99,11 @@ class SwitchReport:
 
         title = (
             f"{'prefetch ' if self.prefetch else ''}switch → {self.pipeline} on {self.device}: "
-            f"{self.total_s:.3f} s, moved {self.moved_bytes / 1e9:.2f} of {self.nbytes / 1e9:.2f} GB"
-            + (f" ({self.gbps:.1f} GB/s)" if self.moved_bytes else "")
+            f"{self.total_s:.3f} s, moved {human_bytes(self.moved_bytes)} of {human_bytes(self.nbytes)}"
+            + (f" ({self.gbps:.1f} GB/s)" if self.moved_bytes and self.gbps >= 0.1 else "")
         )
         table = Table(title=title, title_justify="left")
-        for col in ("component", "class", "GB", "tier", "read s", "copy s", "build s", "note"):
+        for col in ("component", "class", "size", "tier", "read s", "copy s", "build s", "note"):
             table.add_column(
                 col, justify="left" if col in ("component", "class", "tier", "note") else "right"
             )
@@ -108,7 +116,7 @@ class SwitchReport:
             table.add_row(
                 c.role,
                 c.class_name,
-                f"{c.nbytes / 1e9:.3f}",
+                human_bytes(c.nbytes),
                 c.tier,
                 f"{c.read_s:.3f}" if c.tier == "disk" else "-",
                 f"{c.copy_s:.3f}" if c.moved else "-",

@@ -101,8 +101,12 @@ def demo(
     video: str = typer.Option(
         "nostall-demo.mp4", help="Where the demo video goes ('' to skip the video part)."
     ),
+    switch: bool = typer.Option(
+        True, "--switch/--no-switch", help="Switch among tiny pipelines through the model cache."
+    ),
 ) -> None:
-    """Load a multi-dtype checkpoint with safetensors and nostall and compare; decode a video."""
+    """Load a multi-dtype checkpoint with safetensors and nostall and compare; switch whole
+    pipelines through the model cache; decode a video."""
     from nostall.demo import run_demo
 
     device = device or _default_device()
@@ -134,6 +138,22 @@ def demo(
         console.print("[red]nostall's tensors differ from safetensors'[/red]")
         raise typer.Exit(1)
     console.print("All tensors equal to safetensors.load_file, bit for bit.")
+    if switch:
+        from nostall.demo import run_switch_demo
+
+        console.print(
+            "\n[bold]Model cache[/bold]: a store of tiny random FLUX, FLUX-b (same architecture, "
+            "own transformer) and SDXL pipelines; the device tier holds one pipeline at a time."
+        )
+        reports, equal = run_switch_demo(device=device)
+        for report in reports:
+            console.print(report.table())
+        if not equal:
+            console.print("[red]an image differs from diffusers' from_pretrained[/red]")
+            raise typer.Exit(1)
+        console.print(
+            "Every image equal to the same pipeline from diffusers' from_pretrained, bit for bit."
+        )
     if video:
         from nostall.demo import run_video_demo
 
@@ -479,6 +499,13 @@ def bench_decode(
         mark = {True: "[green]met[/green]", False: "[red]MISSED[/red]", None: "·"}[t["met"]]
         console.print(f"{mark}  {t['target']}: {t['measured']}")
     console.print(f"report written to {out}")
+
+
+# Commands that live in their own modules (one job per module), registered here.
+from nostall.cli.switch import bench_switch, switch  # noqa: E402
+
+app.command()(switch)
+bench_app.command("switch")(bench_switch)
 
 
 def main() -> None:

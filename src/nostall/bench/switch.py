@@ -1,0 +1,604 @@
+"""``nostall bench switch``: whole-pipeline switches, nostall's model cache against the peers.
+
+The store holds random-weight pipelines at real size (``full``: FLUX.1-dev layout
+33.98 GB, a second FLUX sharing everything but its transformer, SDXL 6.94 GB in
+fp16) or tiny ones (``tiny``, for CI). A short denoising run follows every switch,
+so a switch counts only once the pipeline has actually computed.
+
+Parts (``--part``), each appended to the report as soon as it ends:
+
+* ``nostall``: flux → sdxl → flux → sdxl → flux with a device tier that holds one
+  FLUX or one SDXL (never both), twice: the first pass reads the page cache, the
+  second is served by the host tier (**memory hit**); then a whole FLUX and a whole
+  SDXL from the host tier (device tier emptied first), and FLUX-b after FLUX (shared
+  components).
+* ``new-process``: a fresh process, cache prepared as a worker does at boot, switches
+  to FLUX from the page cache.
+* ``cold``: page cache dropped (announced), a fresh process switches to SDXL; the
+  disk's sequential read rate is measured beside it.
+* ``same-arch``: FLUX ↔ FLUX-b with ``compile_repeated_blocks`` on the transformer:
+  the switch copies in place; step times before and after it.
+* ``prefetch``: FLUX denoises while SDXL is prefetched; the visible switch to SDXL
+  and FLUX's slowdown.
+* ``peers``: diffusers ``from_pretrained`` + ``.to`` per switch, both pipelines
+  resident in CPU RAM moved with ``.to``, diffusers group offloading with streams,
+  and nostall's ``load_model`` per component with a pinned pool.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["PARTS", "run_switch_bench"]
+
+PARTS = ("nostall", "new-process", "cold", "same-arch", "prefetch", "peers")
+SEQUENCE = ("flux", "sdxl", "flux", "sdxl", "flux")
+
+# Per size: device tier (holds FLUX or SDXL, never both), host tier (holds both), a
+# tier big enough for FLUX + SDXL (prefetch), the denoising run.
+_SIZES: dict[str, dict[str, Any]] = {
+    "full": {
+        "gpu_budget": 36 * 10**9,
+        "one_flux_budget": 36 * 10**9,
+        "host_budget": 72 * 10**9,
+        "wide_gpu_budget": 48 * 10**9,
+        "steps": 2,
+        "res": 256,
+        "prefetch_steps": 8,
+        "prefetch_res": 512,
+    },
+    "tiny": {
+        "gpu_budget": 2_000_000,
+        "one_flux_budget": 800_000,
+        "host_budget": 64 << 20,
+        "wide_gpu_budget": 8 << 20,
+        "steps": 2,
+        "res": 32,
+        "prefetch_steps": 2,
+        "prefetch_res": 32,
+    },
+}
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def denoise(
+    pipe: Any, name: str, *, steps: int, res: int, dev: torch.device, on_step=None
+) -> float:
+    """A short denoising run (latents out, no VAE decode); seconds, synchronised."""
+    kw: dict[str, Any] = dict(
+        prompt="a lighthouse at dusk",
+        num_inference_steps=steps,
+        height=res,
+        width=res,
+        output_type="latent",
+        generator=torch.Generator(device=dev.type).manual_seed(0),
+    )
+    if name.startswith("flux"):
+        kw["max_sequence_length"] = 64
+    if on_step is not None:
+        kw["callback_on_step_end"] = on_step
+    pipe.set_progress_bar_config(disable=True)
+    _sync(dev)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        pipe(**kw)
+    _sync(dev)
+    return time.perf_counter() - t
+
+
+class _StepClock:
+    """Each denoising step's own time: from the transformer's call (a forward pre-hook)
+    to the end of the step (the pipeline's step callback), both synchronised."""
+
+    def __init__(self, pipe: Any, dev: torch.device):
+        self.dev, self.starts, self.ends = dev, [], []
+        self._hook = pipe.transformer.register_forward_pre_hook(self._start)
+
+    def _start(self, module, args):
+        if len(self.starts) == len(self.ends):
+            _sync(self.dev)
+            self.starts.append(time.perf_counter())
+
+    def on_step(self, pipe, i, t, kwargs):
+        _sync(self.dev)
+        self.ends.append(time.perf_counter())
+        return kwargs
+
+    def steps(self) -> list[float]:
+        self._hook.remove()
+        return [b - a for a, b in zip(self.starts, self.ends, strict=False)]
+
+
+class _Bench:
+    def __init__(self, folder: str, size: str, dev: torch.device, log: Callable[[str], None]):
+        self.folder, self.size, self.dev, self.log = folder, size, dev, log
+        self.cfg = _SIZES[size]
+        self.paths = {n: os.path.join(folder, n) for n in ("flux", "flux-b", "sdxl")}
+
+    def cache(self, **kw):
+        import nostall
+
+        kw.setdefault("gpu_budget", self.cfg["gpu_budget"])
+        kw.setdefault("host_budget", self.cfg["host_budget"])
+        cache = nostall.ModelCache(self.folder, device=self.dev, **kw)
+        cache.prepare()
+        return cache
+
+    def run(self, pipe, name, **kw) -> float:
+        kw.setdefault("steps", self.cfg["steps"])
+        kw.setdefault("res", self.cfg["res"])
+        return denoise(pipe, name, dev=self.dev, **kw)
+
+    # ---- nostall -------------------------------------------------------------
+
+    def nostall(self) -> dict:
+        out: dict[str, Any] = {"sequence": list(SEQUENCE), "passes": []}
+        with self.cache() as cache:
+            for scenario in ("page-cache (first pass)", "memory hit (second pass)"):
+                steps = []
+                for name in SEQUENCE:
+                    with cache.use(name) as pipe:
+                        report = cache.last_report
+                        run_s = self.run(pipe, name)
+                    steps.append({"pipeline": name, "switch": report.as_dict(), "denoise_s": run_s})
+                    self.log(
+                        f"  {scenario}: {name} switch {report.total_s:.3f} s "
+                        f"({report.moved_bytes / 1e9:.2f} GB moved), denoise {run_s:.3f} s"
+                    )
+                out["passes"].append({"scenario": scenario, "steps": steps})
+            for name in ("flux", "sdxl"):
+                cache.evict("gpu")
+                best = None
+                for _ in range(3):
+                    cache.evict("gpu")
+                    with cache.use(name) as pipe:
+                        report = cache.last_report
+                        if best is None or report.total_s < best.total_s:
+                            best = report
+                        run_s = self.run(pipe, name)
+                out[f"{name}_whole_from_host"] = {"switch": best.as_dict(), "denoise_s": run_s}
+                self.log(
+                    f"  {name} whole pipeline from the host tier: {best.total_s:.3f} s "
+                    f"({best.gbps:.1f} GB/s)"
+                )
+            cache.evict("gpu")
+            cache.pipeline("flux")
+            with cache.use("flux-b") as pipe:
+                report = cache.last_report
+                run_s = self.run(pipe, "flux-b")
+            out["shared_flux_b_after_flux"] = {"switch": report.as_dict(), "denoise_s": run_s}
+            out["stats"] = {k: v for k, v in vars(cache.stats()).items() if k != "components"}
+        return out
+
+    # ---- new process / cold --------------------------------------------------------
+
+    def child(self, name: str) -> dict:
+        cmd = [
+            sys.executable,
+            "-m",
+            "nostall.bench.switch",
+            "child",
+            "--store",
+            self.folder,
+            "--name",
+            name,
+            "--device",
+            str(self.dev),
+            "--size",
+            self.size,
+        ]
+        t = time.perf_counter()
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if res.returncode != 0:
+            raise RuntimeError(f"child switch failed: {res.stderr[-2000:]}")
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+        out["process_wall_s"] = time.perf_counter() - t
+        return out
+
+    def new_process(self) -> dict:
+        out = self.child("flux")
+        self.log(f"  new process, page cache: flux switch {out['switch']['total_s']:.3f} s")
+        return out
+
+    def cold(self) -> dict:
+        from nostall.bench.load import disk_limit, drop_caches
+
+        self.log(
+            "  dropping the OS page cache (sync; echo 3 > /proc/sys/vm/drop_caches) for the cold switch"
+        )
+        why = drop_caches()
+        if why:
+            return {"skipped": why}
+        out = self.child("sdxl")
+        unet = _largest_file(os.path.join(self.paths["sdxl"], "unet"))
+        self.log("  dropping the OS page cache again to measure the disk's sequential read")
+        drop_caches()
+        disk = disk_limit(unet, direct=False)
+        out["disk"] = {"file": unet, "gbps": disk[0] if disk else None}
+        s = out["switch"]
+        out["gbps"] = s["moved_bytes"] / s["total_s"] / 1e9
+        self.log(
+            f"  cold: sdxl switch {s['total_s']:.3f} s = {out['gbps']:.2f} GB/s; disk "
+            f"{out['disk']['gbps']} GB/s"
+        )
+        return out
+
+    # ---- same architecture ---------------------------------------------------------
+
+    def same_arch(self) -> dict:
+        out: dict[str, Any] = {}
+        # A device tier that holds one FLUX: the second one must go in place.
+        with self.cache(gpu_budget=self.cfg["one_flux_budget"]) as cache:
+            pipe = cache.pipeline("flux")
+            t = time.perf_counter()
+            compiled = self.dev.type == "cuda"
+            if compiled:
+                pipe.transformer.compile_repeated_blocks(fullgraph=True)
+            steps = max(4, self.cfg["steps"])
+            self.run(pipe, "flux", steps=steps)  # compiles
+            out["compile_s"] = time.perf_counter() - t
+            out["compiled"] = compiled
+            clock = _StepClock(pipe, self.dev)
+            self.run(pipe, "flux", steps=steps, on_step=clock.on_step)
+            steady = _median(clock.steps())
+            runs = []
+            for name in ("flux-b", "flux", "flux-b"):
+                pipe = cache.pipeline(name)
+                report = cache.last_report
+                clock = _StepClock(pipe, self.dev)
+                self.run(pipe, name, steps=steps, on_step=clock.on_step)
+                times = clock.steps()
+                runs.append(
+                    {
+                        "pipeline": name,
+                        "switch": report.as_dict(),
+                        "step_s": times,
+                        "first_step_s": times[0] if times else None,
+                        "steady_step_s": steady,
+                        "transformer_in_place": any(c.in_place for c in report.components),
+                    }
+                )
+                self.log(
+                    f"  same-arch → {name}: switch {report.total_s:.3f} s, first step "
+                    f"{runs[-1]['first_step_s']:.4f} s vs steady {steady:.4f} s"
+                )
+            out["same_module_throughout"] = (
+                len({id(cache.pipeline(n).transformer) for n in ("flux", "flux-b")}) == 1
+            )
+            out["runs"] = runs
+            out["steady_step_s"] = steady
+        return out
+
+    # ---- prefetch --------------------------------------------------------------
+
+    def prefetch(self) -> dict:
+        out: dict[str, Any] = {}
+        kw = {"steps": self.cfg["prefetch_steps"], "res": self.cfg["prefetch_res"]}
+        with self.cache(gpu_budget=self.cfg["wide_gpu_budget"]) as cache:
+            cache.pipeline("sdxl")
+            cache.pipeline("flux")  # both in the host tier now
+            cache.evict("gpu")
+            with cache.use("flux") as pipe:
+                self.run(pipe, "flux", **kw)  # warm-up
+                base = min(self.run(pipe, "flux", **kw) for _ in range(2))
+                future = cache.prefetch("sdxl")
+                during = self.run(pipe, "flux", **kw)
+                pre = future.result()
+            with cache.use("sdxl") as pipe:
+                visible = cache.last_report
+                self.run(pipe, "sdxl")
+        out.update(
+            flux_denoise_s=base,
+            flux_denoise_with_prefetch_s=during,
+            slowdown=during / base - 1,
+            prefetch=pre.as_dict(),
+            visible_switch=visible.as_dict(),
+        )
+        self.log(
+            f"  prefetch: sdxl moved in {pre.total_s:.3f} s during flux ({base:.3f} → "
+            f"{during:.3f} s); visible switch {visible.total_s:.4f} s"
+        )
+        return out
+
+    # ---- peers -----------------------------------------------------------------
+
+    def peers(self) -> dict:
+        from diffusers import DiffusionPipeline
+
+        out: dict[str, Any] = {}
+        dtype = {"flux": torch.bfloat16, "sdxl": torch.float16}
+
+        def free():
+            gc.collect()
+            if self.dev.type == "cuda":
+                torch.cuda.empty_cache()
+
+        seq = ("flux", "sdxl", "flux")
+        rows = []
+        pipe = None
+        for name in seq:
+            pipe = None
+            free()
+            _sync(self.dev)
+            t = time.perf_counter()
+            pipe = DiffusionPipeline.from_pretrained(self.paths[name], torch_dtype=dtype[name]).to(
+                self.dev
+            )
+            pipe.set_progress_bar_config(disable=True)
+            _sync(self.dev)
+            rows.append(
+                {
+                    "pipeline": name,
+                    "switch_s": time.perf_counter() - t,
+                    "denoise_s": self.run(pipe, name),
+                }
+            )
+            self.log(f"  diffusers from_pretrained + .to: {name} {rows[-1]['switch_s']:.3f} s")
+        out["diffusers_from_pretrained_to"] = rows
+        pipe = None
+        free()
+
+        resident = {
+            n: DiffusionPipeline.from_pretrained(self.paths[n], torch_dtype=dtype[n])
+            for n in ("flux", "sdxl")
+        }
+        for p in resident.values():
+            p.set_progress_bar_config(disable=True)
+        rows, current = [], None
+        for name in ("flux", "sdxl"):
+            _sync(self.dev)
+            t = time.perf_counter()
+            if current is not None:
+                resident[current].to("cpu")
+            resident[name].to(self.dev)
+            _sync(self.dev)
+            rows.append(
+                {
+                    "pipeline": name,
+                    "switch_s": time.perf_counter() - t,
+                    "denoise_s": self.run(resident[name], name),
+                }
+            )
+            current = name
+            self.log(f"  CPU-resident .to moves: {name} {rows[-1]['switch_s']:.3f} s")
+        out["cpu_resident_to"] = rows
+        resident = None
+        free()
+
+        _sync(self.dev)
+        t = time.perf_counter()
+        pipe = DiffusionPipeline.from_pretrained(self.paths["flux"], torch_dtype=dtype["flux"])
+        pipe.set_progress_bar_config(disable=True)
+        try:
+            pipe.enable_group_offload(
+                onload_device=self.dev,
+                offload_device=torch.device("cpu"),
+                offload_type="leaf_level",
+                use_stream=True,
+            )
+            setup = time.perf_counter() - t
+            out["diffusers_group_offload_streams"] = {
+                "pipeline": "flux",
+                "setup_s": setup,
+                "denoise_s": self.run(pipe, "flux"),
+            }
+            self.log(
+                f"  diffusers group offloading (streams): flux setup {setup:.3f} s, "
+                f"denoise {out['diffusers_group_offload_streams']['denoise_s']:.3f} s"
+            )
+        except Exception as e:  # a peer failing is a finding, reported beside the others
+            out["diffusers_group_offload_streams"] = {"error": f"{type(e).__name__}: {e}"}
+        pipe = None
+        free()
+
+        out["nostall_load_model"] = self._load_model_peer(dtype)
+        return out
+
+    def _load_model_peer(self, dtype) -> list[dict]:
+        from diffusers import DiffusionPipeline
+
+        import nostall
+        from nostall.cache import Store
+
+        store = Store(self.folder)
+        sizes = sum(store.entry(n).nbytes for n in ("flux", "sdxl"))
+        rows = []
+        with nostall.PinnedPool(
+            int(sizes * 1.2), device=self.dev if self.dev.type == "cuda" else None
+        ) as pool:
+            pool.wait_pinned()
+            for name in ("flux", "sdxl", "flux", "sdxl", "flux"):
+                gc.collect()
+                if self.dev.type == "cuda":
+                    torch.cuda.empty_cache()
+                _sync(self.dev)
+                t = time.perf_counter()
+                entry = store.entry(name)
+                parts = {
+                    c.role: nostall.load_model(c.folder, device=self.dev, pool=pool)
+                    for c in entry.weights
+                }
+                pipe = DiffusionPipeline.from_pretrained(self.paths[name], **parts)
+                pipe.set_progress_bar_config(disable=True)
+                _sync(self.dev)
+                rows.append(
+                    {
+                        "pipeline": name,
+                        "switch_s": time.perf_counter() - t,
+                        "denoise_s": self.run(pipe, name),
+                    }
+                )
+                self.log(f"  nostall load_model per component: {name} {rows[-1]['switch_s']:.3f} s")
+                pipe = parts = None
+        return rows
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else None
+
+
+def _largest_file(folder: str) -> str:
+    files = [os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors")]
+    return max(files, key=os.path.getsize)
+
+
+def evaluate_targets(report: dict) -> dict[str, dict]:
+    """The issue's targets, each ``{"value", "threshold", "op", "met"}`` (``None`` = not run)."""
+    t: dict[str, dict] = {}
+
+    def target(name: str, value: float | None, op: str, threshold: float) -> None:
+        met = None if value is None else (value <= threshold if op == "<=" else value >= threshold)
+        t[name] = {"value": value, "threshold": threshold, "op": op, "met": met}
+
+    n = report.get("nostall", {})
+    flux = n.get("flux_whole_from_host", {}).get("switch")
+    sdxl = n.get("sdxl_whole_from_host", {}).get("switch")
+    peers = report.get("peers", {}).get("diffusers_from_pretrained_to", [])
+    peer_flux = min((r["switch_s"] for r in peers if r["pipeline"] == "flux"), default=None)
+    target("flux_memory_hit_s", flux and flux["total_s"], "<=", 0.68)
+    target("flux_memory_hit_gbps", flux and flux["gbps"], ">=", 50.0)
+    target(
+        "flux_memory_hit_speedup_vs_diffusers_from_pretrained",
+        peer_flux / flux["total_s"] if flux and peer_flux else None,
+        ">=",
+        10.0,
+    )
+    target("sdxl_memory_hit_s", sdxl and sdxl["total_s"], "<=", 0.16)
+    runs = report.get("same-arch", {}).get("runs", [])
+    switch = max((r["switch"]["total_s"] for r in runs), default=None)
+    target("same_arch_in_place_switch_s", switch, "<=", 0.47)
+    firsts = [
+        r["first_step_s"] / r["steady_step_s"]
+        for r in runs
+        if r.get("first_step_s") and r.get("steady_step_s")
+    ]
+    target("same_arch_first_step_vs_steady", max(firsts) if firsts else None, "<=", 1.05)
+    p = report.get("prefetch", {})
+    target("prefetch_visible_switch_s", p.get("visible_switch", {}).get("total_s"), "<=", 0.05)
+    target("prefetch_inference_slowdown", p.get("slowdown"), "<=", 0.05)
+    np_ = report.get("new-process", {}).get("switch")
+    target("page_cache_flux_new_process_s", np_ and np_["total_s"], "<=", 1.2)
+    c = report.get("cold", {})
+    disk = c.get("disk", {}).get("gbps")
+    target(
+        "cold_vs_disk_sequential_read",
+        c.get("gbps") / disk if c.get("gbps") and disk else None,
+        ">=",
+        0.95,
+    )
+    shared = n.get("shared_flux_b_after_flux", {}).get("switch")
+    if shared:
+        tr = next(x for x in shared["components"] if x["role"] == "transformer")
+        value = shared["moved_bytes"] / tr["nbytes"]
+    else:
+        value = None
+    target("shared_components_flux_b_moves_only_transformer", value, "<=", 1.0)
+    return t
+
+
+def run_switch_bench(
+    *,
+    folder: str,
+    size: str = "full",
+    device: str = "cuda",
+    parts: tuple[str, ...] = PARTS,
+    log: Callable[[str], None] = print,
+    save: Callable[[dict], None] | None = None,
+) -> dict:
+    """Write (or reuse) the store, run the parts, return the report (saved after each part)."""
+    from nostall.bench.load import _commit, _hardware
+    from nostall.bench.stores import write_store
+    from nostall.transfer.loader import resolve_device
+
+    dev = resolve_device(device)
+    t = time.perf_counter()
+    write_store(folder, ("flux", "flux-b", "sdxl"), size=size, device=dev, progress=log)
+    report: dict[str, Any] = {
+        "benchmark": "switch",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "hardware": _hardware(dev),
+        "config": {"size": size, "device": str(dev), **_SIZES[size], "parts": list(parts)},
+        "store_write_s": time.perf_counter() - t,
+    }
+    from nostall.cache import Store
+
+    store = Store(folder)
+    report["store"] = {
+        n: {
+            "bytes": store.entry(n).nbytes,
+            "components": {c.role: c.nbytes for c in store.entry(n).weights},
+        }
+        for n in store.names()
+    }
+    bench = _Bench(folder, size, dev, log)
+    for part in parts:
+        log(f"== {part}")
+        t = time.perf_counter()
+        try:
+            report[part] = getattr(bench, part.replace("-", "_"))()
+        except Exception as e:  # reported, and the other parts still run
+            report[part] = {"error": f"{type(e).__name__}: {e}"}
+            log(f"  {part} failed: {type(e).__name__}: {e}")
+        report[part]["part_s"] = time.perf_counter() - t
+        report["targets"] = evaluate_targets(report)
+        if save is not None:
+            save(report)
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return report
+
+
+def _child(args) -> None:
+    import logging
+
+    logging.getLogger("diffusers").setLevel(logging.ERROR)
+    import nostall
+    from nostall.transfer.loader import resolve_device
+
+    dev = resolve_device(args.device)
+    cfg = _SIZES[args.size]
+    cache = nostall.ModelCache(
+        args.store, device=dev, gpu_budget=cfg["gpu_budget"], host_budget=cfg["host_budget"]
+    )
+    cache.prepare(args.name)  # what a worker does at boot: tiers ready, store read
+    with cache.use(args.name) as pipe:
+        report = cache.last_report
+        run_s = denoise(pipe, args.name, steps=cfg["steps"], res=cfg["res"], dev=dev)
+    print(json.dumps({"switch": report.as_dict(), "denoise_s": run_s}))
+    cache.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m nostall.bench.switch")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("child")
+    c.add_argument("--store", required=True)
+    c.add_argument("--name", required=True)
+    c.add_argument("--device", default="cuda")
+    c.add_argument("--size", default="full")
+    args = parser.parse_args(argv)
+    _child(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""The real-size store writer, run on tiny layouts (the real ones need a GPU and 41 GB)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+
+def _tiny_flux_layout():
+    import diffusers
+
+    from nostall.bench import stores
+
+    pipe_cls, dtype = "FluxPipeline", torch.bfloat16
+    pipe = stores._tiny_flux(1)
+    modules = {
+        r: getattr(pipe, r) for r in ("transformer", "text_encoder", "text_encoder_2", "vae")
+    }
+    modules = {r: m.to("meta") for r, m in modules.items()}
+    files = {
+        "scheduler": diffusers.FlowMatchEulerDiscreteScheduler(),
+        "tokenizer": ("clip", 32),
+        "tokenizer_2": ("t5", 512),
+    }
+    return pipe_cls, modules, files, dtype
+
+
+def test_written_pipelines_load_with_diffusers_and_share_components(tmp_path, monkeypatch):
+    from diffusers import DiffusionPipeline
+
+    from nostall.bench import fullstores
+    from nostall.cache import Store
+
+    monkeypatch.setattr(
+        fullstores, "_FULL", {"flux": _tiny_flux_layout, "flux-b": _tiny_flux_layout}
+    )
+    monkeypatch.setattr(fullstores, "_SHARD", 100_000)  # several shards per component
+    for name in ("flux", "flux-b"):
+        fullstores.write_full(name, str(tmp_path / name), device="cpu")
+    assert (
+        tmp_path / "flux" / "transformer" / "diffusion_pytorch_model.safetensors.index.json"
+    ).exists()
+    pipe = DiffusionPipeline.from_pretrained(str(tmp_path / "flux"), torch_dtype=torch.bfloat16)
+    out = pipe(
+        prompt="a cat",
+        num_inference_steps=1,
+        height=32,
+        width=32,
+        max_sequence_length=16,
+        output_type="np",
+        generator=torch.Generator().manual_seed(0),
+    ).images
+    assert out.shape == (1, 32, 32, 3) and np.isfinite(out).all()
+    store = Store(tmp_path)
+    a, b = store.entry("flux"), store.entry("flux-b")
+    assert a.components["vae"].digest == b.components["vae"].digest
+    assert a.components["text_encoder_2"].digest == b.components["text_encoder_2"].digest
+    assert a.components["transformer"].digest != b.components["transformer"].digest
