@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from nostall.errors import BudgetExceeded
+from nostall.memory.events import event_done
 from nostall.memory.host import PAGE, HostArena, round_up
 from nostall.memory.ranges import Ranges
 
@@ -133,7 +134,7 @@ class DeviceTier:
     def _fences(self, offset: int, size: int) -> list[Any]:
         events, still = [], []
         for off, n, evs in self._dead:
-            evs = [e for e in evs if not e.query()]
+            evs = [e for e in evs if not event_done(e)]
             if not evs:
                 continue
             still.append((off, n, evs))

@@ -2,9 +2,9 @@
 
 ``DiffusionPipeline.from_pretrained`` loads every component anew. Here the weights
 components are the cache's persistent modules; tokenizers, image processors and the
-like are loaded from their folders once and shared by every pipeline whose files are
-the same (by digest); schedulers, which keep per-run state, are built per pipeline
-object from a cached config. The pipeline is constructed exactly as diffusers does:
+like are loaded from their folders once per content digest and copied into each
+pipeline object (fast tokenizers keep per-call settings); schedulers, which keep
+per-run state, are built per pipeline object from a cached config. The pipeline is constructed exactly as diffusers does:
 the index's components by keyword, its other keys (``force_zeros_for_empty_prompt``)
 as pipeline options, and ``_name_or_path`` registered.
 
@@ -16,6 +16,7 @@ adds one check to ``__call__``: a pipeline whose components were switched out si
 
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 from collections.abc import Callable
@@ -59,7 +60,10 @@ class Assembler:
                     path=c.folder,
                 ) from e
             self._files[c.digest] = obj
-        return obj
+        # Each pipeline object gets its own copy: fast tokenizers change their padding and
+        # truncation settings on every call, so one shared by two pipelines running in two
+        # threads returns mixed-up shapes.
+        return copy.deepcopy(obj)
 
     def build(
         self, entry: PipelineEntry, modules: dict[str, Any], check: Callable[[], None]

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from nostall.errors import ArgumentError, BusyError, ClosedError, DeviceError, PoolExhausted
+from nostall.memory.events import event_done, wait_event
 from nostall.memory.host import (
     HostArena,
     cuda_available,
@@ -347,7 +348,7 @@ class PinnedPool:
             # Ranges dropped while copies still read them: wait for those copies with
             # the lock released (another thread may be releasing or copying), then retry.
             for e in pending:
-                e.synchronize()
+                wait_event(e)
         self.wait_pinned(offset + size)
         return block
 
@@ -446,7 +447,7 @@ class PinnedPool:
             self._ranges.clear()
             self._state = "closed"
         for e in events:
-            e.synchronize()  # no copy may read the pages once they are unregistered
+            wait_event(e)  # no copy may read the pages once they are unregistered
         self._finalizer()
 
     def __enter__(self) -> PinnedPool:
@@ -472,7 +473,7 @@ class PinnedPool:
         # Event.query() does not block: ranges whose copies have ended become free.
         still = []
         for events, off, size in self._fenced:
-            events = [e for e in events if not e.query()]
+            events = [e for e in events if not event_done(e)]
             if events:
                 still.append((events, off, size))
             else:
@@ -505,7 +506,7 @@ class PinnedPool:
             return
         with self._lock:
             # Drop finished events so a block copied out thousands of times stays small.
-            block._events = [e for e in block._events if not e.query()]
+            block._events = [e for e in block._events if not event_done(e)]
             block._events.append(event)
 
     def _invalidate(self, block: Block) -> None:

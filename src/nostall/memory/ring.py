@@ -14,6 +14,7 @@ import threading
 from typing import Any
 
 from nostall.errors import ArgumentError
+from nostall.memory.events import wait_event
 from nostall.memory.host import HostArena
 
 __all__ = ["StagingRing"]
@@ -74,7 +75,7 @@ class StagingRing:
         if event is not None:
             # The copy engine may still read this slot; overwriting it now would
             # corrupt the chunk in flight.
-            event.synchronize()
+            wait_event(event)
         o = self.offset(seq)
         return self.arena.view(o, o + self.slot_bytes)
 
@@ -91,7 +92,7 @@ class StagingRing:
         with self._cond:
             events = [e for e in self._events if e is not None]
         for e in events:
-            e.synchronize()
+            wait_event(e)
 
     def close(self) -> None:
         self.drain()

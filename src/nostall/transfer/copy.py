@@ -93,8 +93,11 @@ class CopyEngine:
         if join:
             # The caller's stream must see the copied bytes before it reads the tensors.
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3, end
+        # Events are waited for on their own device: the runtime would otherwise wake
+        # GPU 0's context in a process that only uses another GPU.
+        with torch.cuda.device(self.device):
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3, end
 
     def abort(self) -> None:
         """Wait for everything issued, so no copy still reads host memory given back."""

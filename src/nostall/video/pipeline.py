@@ -47,6 +47,7 @@ import torch
 from torch.profiler import record_function
 
 from nostall.errors import ArgumentError, ClosedError, SinkError
+from nostall.memory.events import wait_event
 from nostall.memory.pool import Block, PinnedPool
 from nostall.video.frames import to_uint8_frames
 from nostall.video.sinks import FrameSink
@@ -526,7 +527,7 @@ class AsyncFramePipeline(_PipelineBase):
             stats = run.stats
             t = time.perf_counter()
             if job.event is not None:
-                job.event.synchronize()  # chunk's bytes are in host buffer `slot`
+                wait_event(job.event)  # chunk's bytes are in host buffer `slot`
             t1 = time.perf_counter()
             with record_function("nostall.write"):
                 run.sink.write(job.host.numpy())
