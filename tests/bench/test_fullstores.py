@@ -59,3 +59,25 @@ def test_written_pipelines_load_with_diffusers_and_share_components(tmp_path, mo
     assert a.components["vae"].digest == b.components["vae"].digest
     assert a.components["text_encoder_2"].digest == b.components["text_encoder_2"].digest
     assert a.components["transformer"].digest != b.components["transformer"].digest
+
+
+@pytest.mark.parametrize("name", ["flux", "sdxl"])
+def test_real_layouts_build_on_meta_with_the_published_sizes(name):
+    from nostall.bench import fullstores
+
+    _, modules, files, dtype = fullstores._FULL[name]()
+    nbytes = {
+        role: sum(
+            t.numel() for t in {id(t): t for t in m.state_dict(keep_vars=True).values()}.values()
+        )
+        * dtype.itemsize
+        for role, m in modules.items()
+    }
+    assert all(p.is_meta for m in modules.values() for p in m.parameters())
+    expected = {  # GB, the layouts the issue names
+        "flux": {"transformer": 23.8, "text_encoder_2": 9.5, "text_encoder": 0.25, "vae": 0.17},
+        "sdxl": {"unet": 5.14, "text_encoder_2": 1.39, "text_encoder": 0.25, "vae": 0.17},
+    }[name]
+    for role, gb in expected.items():
+        assert abs(nbytes[role] / 1e9 - gb) / gb < 0.05, (role, nbytes[role])
+    assert "scheduler" in files

@@ -101,18 +101,19 @@ def _vae(latent_channels: int, **kw):
 def _flux() -> tuple[str, dict[str, Any], dict[str, Any], torch.dtype]:
     import diffusers
 
-    modules = {
-        "transformer": diffusers.FluxTransformer2DModel(guidance_embeds=True),
-        "text_encoder": _clip_l(),
-        "text_encoder_2": _t5_xxl(),
-        "vae": _vae(
-            16,
-            scaling_factor=0.3611,
-            shift_factor=0.1159,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        ),
-    }
+    with torch.device("meta"):  # shapes only: the weights are drawn tensor by tensor
+        modules = {
+            "transformer": diffusers.FluxTransformer2DModel(guidance_embeds=True),
+            "text_encoder": _clip_l(),
+            "text_encoder_2": _t5_xxl(),
+            "vae": _vae(
+                16,
+                scaling_factor=0.3611,
+                shift_factor=0.1159,
+                use_quant_conv=False,
+                use_post_quant_conv=False,
+            ),
+        }
     files = {
         "scheduler": diffusers.FlowMatchEulerDiscreteScheduler(
             base_image_seq_len=256,
@@ -129,6 +130,25 @@ def _flux() -> tuple[str, dict[str, Any], dict[str, Any], torch.dtype]:
 
 
 def _sdxl() -> tuple[str, dict[str, Any], dict[str, Any], torch.dtype]:
+    import diffusers
+
+    with torch.device("meta"):
+        modules = _sdxl_modules()
+    files = {
+        "scheduler": diffusers.EulerDiscreteScheduler(
+            beta_start=0.00085,
+            beta_end=0.012,
+            beta_schedule="scaled_linear",
+            steps_offset=1,
+            timestep_spacing="leading",
+        ),
+        "tokenizer": ("clip", 77),
+        "tokenizer_2": ("clip", 77),
+    }
+    return "StableDiffusionXLPipeline", modules, files, torch.float16
+
+
+def _sdxl_modules() -> dict[str, Any]:
     import diffusers
 
     unet = diffusers.UNet2DConditionModel(
@@ -148,24 +168,12 @@ def _sdxl() -> tuple[str, dict[str, Any], dict[str, Any], torch.dtype]:
         projection_class_embeddings_input_dim=2816,
         norm_num_groups=32,
     )
-    modules = {
+    return {
         "unet": unet,
         "text_encoder": _clip_l(),
         "text_encoder_2": _clip_g(),
         "vae": _vae(4, scaling_factor=0.13025),
     }
-    files = {
-        "scheduler": diffusers.EulerDiscreteScheduler(
-            beta_start=0.00085,
-            beta_end=0.012,
-            beta_schedule="scaled_linear",
-            steps_offset=1,
-            timestep_spacing="leading",
-        ),
-        "tokenizer": ("clip", 77),
-        "tokenizer_2": ("clip", 77),
-    }
-    return "StableDiffusionXLPipeline", modules, files, torch.float16
 
 
 Layout = Callable[[], tuple[str, dict[str, Any], dict[str, Any], torch.dtype]]
@@ -192,8 +200,7 @@ def write_full(
 
     if name not in _FULL:
         raise ArgumentError(f"no full-size layout for {name!r}; choose from {sorted(_FULL)}")
-    with torch.device("meta"):
-        class_name, modules, files, dtype = _FULL[name]()
+    class_name, modules, files, dtype = _FULL[name]()
     os.makedirs(folder, exist_ok=True)
     index: dict[str, Any] = {"_class_name": class_name, "_diffusers_version": diffusers.__version__}
     sibling = os.path.join(os.path.dirname(os.path.abspath(folder)), "flux")
