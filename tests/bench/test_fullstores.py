@@ -54,6 +54,20 @@ def test_written_pipelines_load_with_diffusers_and_share_components(tmp_path, mo
         generator=torch.Generator().manual_seed(0),
     ).images
     assert out.shape == (1, 32, 32, 3) and np.isfinite(out).all()
+    import nostall
+
+    with nostall.ModelCache(tmp_path, device="cpu", gpu_budget=8 << 20, host_budget=64 << 20) as c:
+        ours = c.pipeline("flux")  # every component resolves its class from its folder
+        got = ours(
+            prompt="a cat",
+            num_inference_steps=1,
+            height=32,
+            width=32,
+            max_sequence_length=16,
+            output_type="np",
+            generator=torch.Generator().manual_seed(0),
+        ).images
+        assert np.isfinite(got).all() and got.shape == out.shape
     store = Store(tmp_path)
     a, b = store.entry("flux"), store.entry("flux-b")
     assert a.components["vae"].digest == b.components["vae"].digest

@@ -219,6 +219,8 @@ def write_full(
             stem = "diffusion_pytorch_model"
         else:
             module.config.torch_dtype = dtype
+            # What save_pretrained records and loaders read to find the class.
+            module.config.architectures = [type(module).__name__]
             module.config.save_pretrained(sub)
             stem = "model"
         # Shared components get the same seed in every pipeline: the same bytes.
