@@ -37,3 +37,22 @@ def test_switch_bench_runs_end_to_end_on_tiny_pipelines(tmp_path):
     assert set(targets["flux_memory_hit_s"]) == {"value", "threshold", "op", "met"}
     assert targets["cold_vs_disk_sequential_read"]["met"] is None  # not run: not claimed
     assert targets["shared_components_flux_b_moves_only_transformer"]["met"] is True
+
+
+def test_cold_part_drops_the_cache_announced_and_compares_with_the_disk(tmp_path, monkeypatch):
+    from nostall.bench import load as load_bench
+    from nostall.bench.switch import run_switch_bench
+
+    drops, lines = [], []
+    monkeypatch.setattr(load_bench, "drop_caches", lambda: drops.append(1))
+    monkeypatch.setattr(
+        load_bench, "disk_limit", lambda path, *, direct, drop: drop("dd") or (2.0, 1.5)
+    )
+    report = run_switch_bench(
+        folder=str(tmp_path / "store"), size="tiny", device="cpu", parts=("cold",), log=lines.append
+    )
+    cold = report["cold"]
+    assert "error" not in cold, cold
+    assert len(drops) == 2 and sum("dropping the OS page cache" in line for line in lines) == 2
+    assert cold["disk"]["gbps"] == 1.5
+    assert report["targets"]["cold_vs_disk_sequential_read"]["value"] == cold["gbps"] / 1.5

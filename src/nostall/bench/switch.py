@@ -215,20 +215,21 @@ class _Bench:
         return out
 
     def cold(self) -> dict:
-        from nostall.bench.load import disk_limit, drop_caches
+        from nostall.bench import load as load_bench
 
-        self.log(
-            "  dropping the OS page cache (sync; echo 3 > /proc/sys/vm/drop_caches) for the cold switch"
-        )
-        why = drop_caches()
+        def drop(before: str) -> str | None:
+            self.log(
+                f"  dropping the OS page cache (sync; echo 3 > drop_caches) before the {before}"
+            )
+            return load_bench.drop_caches()
+
+        why = drop("cold switch")
         if why:
             return {"skipped": why}
         out = self.child("sdxl")
         unet = _largest_file(os.path.join(self.paths["sdxl"], "unet"))
-        self.log("  dropping the OS page cache again to measure the disk's sequential read")
-        drop_caches()
-        disk = disk_limit(unet, direct=False)
-        out["disk"] = {"file": unet, "gbps": disk[0] if disk else None}
+        disk = load_bench.disk_limit(unet, direct=False, drop=drop)  # (seconds, GB/s)
+        out["disk"] = {"file": unet, "gbps": disk[1] if disk else None}
         s = out["switch"]
         out["gbps"] = s["moved_bytes"] / s["total_s"] / 1e9
         self.log(
