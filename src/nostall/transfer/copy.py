@@ -13,6 +13,7 @@ on the target device and cast by one kernel once complete.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -34,6 +35,15 @@ class CopyEngine:
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
+
+    def _on_stream(self) -> contextlib.ExitStack:
+        # The device first: entered from a thread on GPU 0, torch.cuda.stream() alone
+        # restores GPU 0's stream on exit with a cudaSetDevice(0), which creates GPU 0's
+        # context in a process that only uses this GPU (seen on the two-GPU machine).
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.device))
+        stack.enter_context(torch.cuda.stream(self.stream))
+        return stack
 
     def begin(self, after: list[Any] | None = None) -> Any:
         """Order the next copies and return a start mark.
@@ -62,7 +72,7 @@ class CopyEngine:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy ``src`` (host, page-locked for full speed) into ``dst`` (device); the
         source may be reused once a later :meth:`fence` has completed."""
-        with torch.cuda.stream(self.stream):
+        with self._on_stream():
             dst.copy_(src, non_blocking=True)
 
     def fence(self) -> torch.cuda.Event:
@@ -72,12 +82,12 @@ class CopyEngine:
     def scratch(self, nbytes: int) -> torch.Tensor:
         """Device bytes for gathering one tensor, allocated on the copy stream: freed
         after its cast, the caching allocator hands it only to later copy-stream work."""
-        with torch.cuda.stream(self.stream):
+        with self._on_stream():
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def cast(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)`` on the copy stream, after the copies that filled ``src``."""
-        with torch.cuda.stream(self.stream):
+        with self._on_stream():
             dst.copy_(src)
 
     def finish(self, start: Any, *, join: bool = True) -> tuple[float, Any]:

@@ -434,7 +434,9 @@ class AsyncFramePipeline(_PipelineBase):
             dev = self._buffers.device_view(i, nbytes, self.device)
             dev.view(frames.shape).copy_(frames)
             self._computed[i].record(compute)
-            with torch.cuda.stream(self._copy_stream):
+            # The device first: alone, the stream context restores the caller's stream on
+            # exit with a cudaSetDevice that wakes GPU 0 in a process on another GPU.
+            with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):
                 # The copy may only start once chunk n's kernels have written device buffer i.
                 self._copy_stream.wait_event(self._computed[i])
                 host.copy_(dev, non_blocking=True)
