@@ -54,9 +54,14 @@ def load_state_dict(
     (fp16/bf16/fp32/fp64; fp8 and integers are kept) on the device after the copy.
 
     With a ``pool``, the bytes land in a pinned pool block and stay cached there:
-    loading the same files again is one host→device copy. On ``device="cpu"`` the
-    returned tensors are then views into the pool block, which stays reserved until
-    they are garbage. Without a pool, CPU tensors own fresh page-aligned memory.
+    loading the same files again is one host→device copy. The cached bytes are never
+    handed out, so nothing a caller does to its tensors (a LoRA fuse, an optimizer
+    step) can change what a later load serves: on ``device="cpu"`` the tensors are a
+    private copy of the block (one host memcpy: 4.8 GB/s on one thread, 31 GB/s on 16,
+    measured on our H200 host — the price of an immutable cache; load without a pool
+    to skip it). Without a pool, CPU
+    tensors own fresh page-aligned memory. The cache key is the files' path, device,
+    inode, size, mtime and ctime, so a file rewritten in place is read again.
 
     Raises :class:`~nostall.CheckpointError` for malformed or incomplete checkpoints,
     :class:`~nostall.ReadError` when a read fails, :class:`~nostall.PoolExhausted`

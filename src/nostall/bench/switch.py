@@ -480,7 +480,13 @@ def evaluate_targets(report: dict) -> dict[str, dict]:
         10.0,
     )
     target("sdxl_memory_hit_s", sdxl and sdxl["total_s"], "<=", 0.16)
-    runs = report.get("same-arch", {}).get("runs", [])
+    # The in-place target is a memory-hit figure (23.8 GB at 50 GB/s): only switches whose
+    # moved components came from the host tier count (the first one reads the page cache).
+    runs = [
+        r
+        for r in report.get("same-arch", {}).get("runs", [])
+        if all(c["tier"] in ("host", "gpu", "device") for c in r["switch"]["components"])
+    ]
     switch = max((r["switch"]["total_s"] for r in runs), default=None)
     target("same_arch_in_place_switch_s", switch, "<=", 0.47)
     firsts = [
@@ -603,3 +609,68 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def plot_switch(report: dict, path: str) -> None:
+    """Bars: seconds to switch to FLUX and to SDXL, nostall's tiers beside the peers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    peers = report.get("peers", {})
+    n = report.get("nostall", {})
+
+    def first(rows, name, key="switch_s"):
+        vals = [r[key] for r in rows if r.get("pipeline") == name]
+        return min(vals) if vals else None
+
+    rows = [
+        (
+            "diffusers from_pretrained + .to",
+            first(peers.get("diffusers_from_pretrained_to", []), "flux"),
+            first(peers.get("diffusers_from_pretrained_to", []), "sdxl"),
+        ),
+        (
+            "CPU-resident, .to moves (out + in)",
+            first(peers.get("cpu_resident_to", []), "flux"),
+            first(peers.get("cpu_resident_to", []), "sdxl"),
+        ),
+        (
+            "nostall load_model per component",
+            first(peers.get("nostall_load_model", []), "flux"),
+            first(peers.get("nostall_load_model", []), "sdxl"),
+        ),
+        (
+            "nostall ModelCache, host-tier hit",
+            n.get("flux_whole_from_host", {}).get("switch", {}).get("total_s"),
+            n.get("sdxl_whole_from_host", {}).get("switch", {}).get("total_s"),
+        ),
+    ]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.4), sharey=True)
+    for ax, col, title in (
+        (axes[0], 1, "switch to FLUX.1-dev layout (33.7 GB)"),
+        (axes[1], 2, "switch to SDXL (6.9 GB)"),
+    ):
+        labels = [r[0] for r in rows if r[col] is not None]
+        vals = [r[col] for r in rows if r[col] is not None]
+        colors = [
+            "#999999" if not lab.startswith("nostall ModelCache") else "#2a7ab9" for lab in labels
+        ]
+        bars = ax.barh(labels, vals, color=colors)
+        ax.set_xscale("log")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("seconds (log scale)")
+        for bar, v in zip(bars, vals, strict=True):
+            ax.text(
+                v * 1.08, bar.get_y() + bar.get_height() / 2, f"{v:.2f} s", va="center", fontsize=8
+            )
+        ax.set_xlim(0.05, max(vals) * 4)
+    fig.suptitle(
+        f"whole-pipeline switch on {report.get('hardware', {}).get('gpu', '?')} "
+        f"(commit {report.get('commit', '?')})",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
