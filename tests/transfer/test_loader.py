@@ -341,3 +341,31 @@ def test_start_into_a_caller_buffer_under_a_key(loader, pool, big_file, use_pool
         loader.start(big_file, into=buf[:10])
     with pytest.raises(ArgumentError, match="uint8"):
         loader.start(big_file, into=buf.view(torch.int16))
+
+
+def test_tensors_back_to_back_on_both_sides_are_one_copy(tmp_path):
+    from nostall.checkpoint import resolve
+    from nostall.transfer.plan import Copy, LoadPlan
+
+    # Sizes that are multiples of 256 bytes, after one odd tensor that shifts the file's
+    # offsets off the alignment: the plan must still merge the aligned run.
+    tensors = {"a_odd": torch.zeros(3), **{f"w{i}": torch.randn(64, 64) for i in range(5)}}
+    path = tmp_path / "m.safetensors"
+    save_file(tensors, str(path))
+    plan = LoadPlan(resolve(path))
+    f = plan.checkpoint.files[0]
+    pieces = list(plan.pieces(0, 0, f.data_end))
+    assert not plan.packed
+    assert all(isinstance(p, Copy) for p in pieces)
+    assert len(pieces) < len(tensors)  # merged, not one copy per tensor
+    assert sum(p.hi - p.lo for p in pieces) == sum(t.numel() * 4 for t in tensors.values())
+    # Copy the file through the merged pieces into the GPU-style layout, on the CPU.
+    from nostall.transfer.copy import HostCopy, Transfer
+
+    raw = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+    flat = torch.full((plan.target_bytes,), 0xEE, dtype=torch.uint8)
+    moves = Transfer(plan, HostCopy(), flat)
+    moves.begin()
+    moves.land(0, 0, f.data_end, raw[: f.data_end])
+    moves.finish()
+    assert_same(plan.views(flat), tensors)

@@ -188,15 +188,29 @@ class LoadPlan:
             return
         lst = self._by_file[i]
         k = max(0, bisect.bisect_right(self._begins[i], a) - 1)
+        run: Copy | None = None  # tensors back to back in the file and in the target
         while k < len(lst) and lst[k].begin < b:
             s = lst[k]
             lo, hi = max(a, s.begin), min(b, s.end)
             if lo < hi:
                 if s.source == s.target:
-                    yield Copy(lo, hi, s.offset + lo - s.begin)
+                    offset = s.offset + lo - s.begin
+                    if run is not None and run.hi == lo and run.offset + run.hi - run.lo == offset:
+                        # One copy for the run: tensors whose sizes are multiples of the
+                        # alignment (nearly every weight) sit back to back on both sides.
+                        run = Copy(run.lo, hi, run.offset)
+                    else:
+                        if run is not None:
+                            yield run
+                        run = Copy(lo, hi, offset)
                 else:
+                    if run is not None:
+                        yield run
+                        run = None
                     yield Cast(s, lo, hi)
             k += 1
+        if run is not None:
+            yield run
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """The tensors as views of the flat target buffer (``uint8``, ``target_bytes`` long)."""
