@@ -226,6 +226,47 @@ def test_stats_evict_and_close(store):
         run(pipe, "flux")
 
 
+def test_prepare_builds_modules_and_loads_tokenizers_at_boot(store, monkeypatch):
+    import nostall.cache.cache as cache_mod
+    import nostall.cache.pipelines as pipelines_mod
+
+    with nostall.ModelCache(store, device="cpu", gpu_budget=64 * MB, host_budget=64 * MB) as c:
+        c.prepare("flux", "sdxl")
+        assert c.stats().gpu_bytes == 0  # no weights moved
+
+        def refuse(*a, **k):
+            raise AssertionError("built on the request path")
+
+        monkeypatch.setattr(cache_mod, "build_instance", refuse)
+        monkeypatch.setattr(pipelines_mod, "_load_files", refuse)
+        with c.use("flux") as pipe:
+            out = run(pipe, "flux")
+        report = c.last_report
+        assert {x.tier for x in report.components} == {"disk"}
+        assert all(x.build_s < 0.05 for x in report.components)  # only adoption left
+        assert np.array_equal(out, reference(store, "flux"))
+        with pytest.raises(UnknownModel):
+            c.prepare("flux", "nope")
+
+
+def test_a_switch_never_walks_the_process_page_tables(store, monkeypatch):
+    # /proc/self/smaps costs 0.1-0.3 s per read in a GPU process mapping tens of GB; the
+    # host tier's admission once read it four times per page-cache switch (2.4 s FLUX
+    # switches where 1.3 s was possible).
+    import nostall.memory.pool as pool_mod
+
+    calls = []
+    monkeypatch.setattr(pool_mod, "hugepage_bytes", lambda *a: calls.append(a))
+    with nostall.ModelCache(store, device="cpu", gpu_budget=24 * MB, host_budget=64 * MB) as c:
+        for name in ("flux", "sdxl", "flux"):
+            with c.use(name):
+                pass
+        assert {x.tier for x in c.reports[0].components} == {"disk"}
+        assert calls == []
+        c._host.pool.stats()  # the full snapshot still counts huge pages
+        assert len(calls) == 1
+
+
 def test_a_budget_smaller_than_a_component_is_a_typed_error(store):
     with nostall.ModelCache(store, device="cpu", gpu_budget=MB // 2, host_budget=64 * MB) as c:
         with pytest.raises(BudgetExceeded, match="cannot hold") as info:

@@ -211,16 +211,27 @@ class ModelCache:
     def prepare(self, *names: str) -> None:
         """Do now, off the request path, what the first switch would otherwise do: take
         the device tier's memory, pin the host tier, start the copy stream, import
-        diffusers and transformers, and read (and digest) the named pipelines' folders.
-        A worker calls it at boot."""
+        diffusers and transformers, read (and digest) the named pipelines' folders,
+        build their modules on ``meta`` and load their tokenizers and scheduler
+        configs. No weights move. A worker calls it at boot."""
         self._check_open()
         import diffusers  # noqa: F401  (seconds of imports a first request must not pay)
         import transformers  # noqa: F401
 
-        for name in names:
-            self.store.entry(name)
+        entries = [self.store.entry(name) for name in names]
         with self._lock:
             self._tier.buffer()
+            for entry in entries:
+                for c in entry.components.values():
+                    if c is None:
+                        continue
+                    if c.weights:
+                        self._load_plan(c)
+                    else:
+                        self._assembler.files_component(c)
+            for insts in self._instances.values():
+                for inst in insts:
+                    inst.build_s = 0.0  # paid at boot, not by the first switch
         self._host.pool.wait_pinned()
         self._loader.prepare(self.device)
 

@@ -69,7 +69,7 @@ class HostTier:
 
     @property
     def used(self) -> int:
-        s = self.pool.stats()
+        s = self.pool.stats(hugepages=False)
         return s.in_use + s.cached
 
     def admit(self, digest: str, nbytes: int, prior: int, keep: set[str]) -> bool:
@@ -78,7 +78,7 @@ class HostTier:
         need = size_class(nbytes + (4 << 10))  # the loader's host layout rounds files up
         if need > self.budget:
             return False
-        stats = self.pool.stats()
+        stats = self.pool.stats(hugepages=False)
         if stats.largest_free - self._reserved >= need:
             self._reserved += need
             return True
@@ -102,9 +102,9 @@ class HostTier:
             self.pool.evict(d)
             self.sizes.pop(d, None)
             log.info("host tier: evicted %s to admit %s", d[:12], digest[:12])
-            if self.pool.stats().largest_free - self._reserved >= need:
+            if self.pool.stats(hugepages=False).largest_free - self._reserved >= need:
                 break
-        if self.pool.stats().largest_free - self._reserved >= need:
+        if self.pool.stats(hugepages=False).largest_free - self._reserved >= need:
             self._reserved += need
             return True
         return False

@@ -51,15 +51,7 @@ class Assembler:
             return cached[0].from_config(cached[1])  # per-run state: one per pipeline object
         obj = self._files.get(c.digest)
         if obj is None:
-            try:
-                obj = cls.from_pretrained(c.folder, local_files_only=True)
-            except Exception as e:
-                raise CheckpointError(
-                    f"cannot load component {c.role!r} ({c.library}.{c.class_name}) from its "
-                    f"folder: {type(e).__name__}: {e}",
-                    path=c.folder,
-                ) from e
-            self._files[c.digest] = obj
+            obj = self._files[c.digest] = _load_files(cls, c)
         # Each pipeline object gets its own copy: fast tokenizers change their padding and
         # truncation settings on every call, so one shared by two pipelines running in two
         # threads returns mixed-up shapes.
@@ -122,6 +114,17 @@ class Assembler:
             )
             self._guarded[base] = cls
         return cls
+
+
+def _load_files(cls: type, c: ComponentEntry) -> Any:
+    try:
+        return cls.from_pretrained(c.folder, local_files_only=True)
+    except Exception as e:
+        raise CheckpointError(
+            f"cannot load component {c.role!r} ({c.library}.{c.class_name}) from its "
+            f"folder: {type(e).__name__}: {e}",
+            path=c.folder,
+        ) from e
 
 
 def _import(library: str, name: str, where: str) -> type:

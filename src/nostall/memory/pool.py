@@ -92,8 +92,8 @@ class PoolStats:
         largest_free: the largest contiguous free run.
         requested: bytes actually asked for by live and cached blocks (before rounding).
         blocks: live and cached blocks.
-        hugepages: bytes of the pool backed by transparent huge pages (``None`` if unknown);
-            DMA from 4 KiB pages ran ~20% slower on our H200 host.
+        hugepages: bytes of the pool backed by transparent huge pages (``None`` if unknown
+            or not asked for); DMA from 4 KiB pages ran ~20% slower on our H200 host.
     """
 
     capacity: int
@@ -383,7 +383,10 @@ class PinnedPool:
         with self._lock:
             return list(self._cache)
 
-    def stats(self) -> PoolStats:
+    def stats(self, *, hugepages: bool = True) -> PoolStats:
+        """The pool's accounting. ``hugepages=False`` skips the huge-page count (it reads
+        ``/proc/self/smaps``: a page-table walk of the whole process, about 0.1-0.3 s
+        once a GPU process maps tens of GB) for callers on a request path."""
         with self._lock:
             self._reclaim()
             free = self._ranges.free + sum(s for _, _, s in self._fenced)
@@ -395,7 +398,9 @@ class PinnedPool:
             closed = self._state == "closed"
         pinned = self.arena.pinned_bytes if self.pin and not closed else 0
         # /proc/self/smaps is read without the lock: it takes milliseconds per GB mapped.
-        huge = None if closed else hugepage_bytes(self.arena.address, self.capacity)
+        huge = None
+        if hugepages and not closed:
+            huge = hugepage_bytes(self.arena.address, self.capacity)
         return PoolStats(
             capacity=self.capacity,
             pinned=pinned,
@@ -457,7 +462,7 @@ class PinnedPool:
         self.close()
 
     def __repr__(self) -> str:
-        s = self.stats()
+        s = self.stats(hugepages=False)
         return (
             f"PinnedPool(capacity={s.capacity}, pinned={s.pinned}, in_use={s.in_use}, "
             f"cached={s.cached}, free={s.free}, state={self._state})"
