@@ -1,0 +1,284 @@
+"""Diagnostic for issue #9 (not a benchmark): where the Wan VAE decoder's time goes per
+op, and which rewrites keep its arithmetic bit for bit.
+
+Run on the GPU machine: ``python scripts/diag_vae_exact.py --out $OUT/diag-vae.json``.
+Checks, each compared bitwise against diffusers' eager ops on the same inputs:
+
+* determinism: ``vae.decode`` twice on the same latents;
+* norm: ``vector_norm(x_bf16, dtype=float32)`` against ``x.float().norm()``;
+* fused: one Triton kernel for RMS-norm (given the fp32 norm) * scale * gamma + 0, SiLU,
+  written into the interior of a padded buffer, against the eager chain;
+* conv padding: the conv's own spatial padding against ``F.pad`` + conv;
+* halo: a conv on the top half plus one halo row against the full conv's top half.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> dict:
+    eq = torch.equal(a, b)
+    diff = (a.float() - b.float()).abs()
+    return {
+        "bit_identical": bool(eq),
+        "max_abs": float(diff.max()),
+        "mismatches": int((a != b).sum()),
+        "numel": a.numel(),
+    }
+
+
+def _vae(dtype):
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        vae = AutoencoderKLWan()
+    return vae.to(dtype).eval()
+
+
+def check_determinism(vae, z) -> dict:
+    with torch.inference_mode():
+        a = vae.decode(z).sample
+        b = vae.decode(z).sample
+    return _same(a, b)
+
+
+def check_norm(x: torch.Tensor) -> dict:
+    ref = x.float().norm(2, 1, keepdim=True)
+    alt = torch.linalg.vector_norm(x, 2, dim=1, keepdim=True, dtype=torch.float32)
+    return _same(ref, alt)
+
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover
+    triton = None
+
+
+def _fused_kernel():
+    return _rms_silu
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_silu(
+        x_ptr,
+        norm_ptr,
+        gamma_ptr,
+        out_ptr,
+        N,
+        C,
+        S,
+        HW,
+        W,
+        ob,
+        oc,
+        ot,
+        oh,
+        ow,
+        scale,
+        eps,
+        BLOCK: tl.constexpr,
+        LIBDEVICE: tl.constexpr = True,  # False only under TRITON_INTERPRET (CPU syntax check)
+    ):
+        pid = tl.program_id(0)
+        idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = idx < N
+        s = idx % S
+        c = (idx // S) % C
+        b = idx // (S * C)
+        x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        n = tl.load(norm_ptr + b * S + s, mask=mask, other=1.0)
+        g = tl.load(gamma_ptr + c, mask=mask, other=0.0).to(tl.float32)
+        y = (
+            tl.math.div_rn(x, tl.maximum(n, eps))
+            .to(tl.bfloat16, fp_downcast_rounding="rtne")
+            .to(tl.float32)
+        )
+        y = (y * scale).to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+        y = (y * g).to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+        y = tl.where(y == 0.0, 0.0, y)  # + 0.0: -0 becomes +0, as eager's add does
+        if LIBDEVICE:  # noqa: SIM108  (a constexpr branch: one is compiled)
+            e = libdevice.exp(-y)  # expf, as ATen's SiLU calls it (not the ex2 approximation)
+        else:
+            e = tl.exp(-y)
+        y = tl.math.div_rn(y, 1.0 + e).to(tl.bfloat16, fp_downcast_rounding="rtne")
+        t = s // HW
+        h = (s // W) % (HW // W)
+        w = s % W
+        tl.store(out_ptr + b * ob + c * oc + t * ot + h * oh + w * ow, y, mask=mask)
+
+
+def check_fused(x: torch.Tensor, gamma: torch.Tensor) -> dict:
+    B, C, T, H, W = x.shape
+    scale = C**0.5
+    # eager: WanRMS_norm(images=False) then SiLU, as WanResidualBlock runs them
+    ref = F.normalize(x.float(), dim=1).to(x.dtype) * scale * gamma.view(C, 1, 1, 1) + 0.0
+    ref = F.silu(ref)
+    out = {}
+    kern = _fused_kernel()
+    for label, norm in (
+        ("norm_of_float_copy", x.float().norm(2, 1, keepdim=True)),
+        ("vector_norm_dtype", torch.linalg.vector_norm(x, 2, 1, keepdim=True, dtype=torch.float32)),
+    ):
+        buf = torch.zeros(B, C, T + 2, H + 2, W + 2, dtype=x.dtype, device=x.device)
+        dst = buf[:, :, 2:, 1:-1, 1:-1]
+        N = x.numel()
+        BLOCK = 1024
+        kern[(triton_cdiv(N, BLOCK),)](
+            x,
+            norm.contiguous(),
+            gamma.contiguous(),
+            dst,
+            N,
+            C,
+            T * H * W,
+            H * W,
+            W,
+            *dst.stride(),
+            scale,
+            1e-12,
+            BLOCK=BLOCK,
+            LIBDEVICE=x.is_cuda,
+        )
+        res = _same(ref, dst)
+        res["border_zero"] = bool(
+            buf[:, :, :2].abs().sum() == 0 and buf[..., 0, :].abs().sum() == 0
+        )
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(20):
+            kern[(triton_cdiv(N, BLOCK),)](
+                x,
+                norm,
+                gamma,
+                dst,
+                N,
+                C,
+                T * H * W,
+                H * W,
+                W,
+                *dst.stride(),
+                scale,
+                1e-12,
+                BLOCK=BLOCK,
+                LIBDEVICE=x.is_cuda,
+            )
+        torch.cuda.synchronize()
+        res["fused_ms"] = (time.perf_counter() - t) / 20 * 1e3
+        out[label] = res
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        r = F.normalize(x.float(), dim=1).to(x.dtype) * scale * gamma.view(C, 1, 1, 1) + 0.0
+        r = F.silu(r)
+        r = F.pad(torch.cat([r[:, :, :2], r], 2), (1, 1, 1, 1, 0, 0))
+    torch.cuda.synchronize()
+    out["eager_chain_ms"] = (time.perf_counter() - t) / 20 * 1e3
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def check_conv_padding(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> dict:
+    xp = F.pad(x, (1, 1, 1, 1, 0, 0))
+    ref = F.conv3d(xp, w, bias)
+    alt = F.conv3d(x, w, bias, padding=(0, 1, 1))
+    return _same(ref, alt)
+
+
+def check_halo(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> dict:
+    H = x.shape[3]
+    half = H // 2
+    full = F.conv3d(F.pad(x, (1, 1, 1, 1, 0, 0)), w, bias)
+    top = F.conv3d(F.pad(x[:, :, :, : half + 1], (1, 1, 1, 0, 0, 0)), w, bias)
+    bot = F.conv3d(F.pad(x[:, :, :, half - 1 :], (1, 1, 0, 1, 0, 0)), w, bias)
+    return {
+        "top": _same(full[:, :, :, :half], top),
+        "bottom": _same(full[:, :, :, half:], bot),
+    }
+
+
+def profile_ops(vae, z) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode():
+        vae.decode(z[:, :, :2])
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        vae.decode(z)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            vae.decode(z)
+            torch.cuda.synchronize()
+    rows = []
+    total = 0.0
+    for e in prof.key_averages():
+        dev = getattr(e, "self_device_time_total", None)
+        if dev is None:
+            dev = e.self_cuda_time_total
+        if dev <= 0:
+            continue
+        total += dev
+        rows.append({"op": e.key, "self_ms": dev / 1e3, "calls": e.count})
+    rows.sort(key=lambda r: -r["self_ms"])
+    for r in rows:
+        r["share"] = r["self_ms"] * 1e3 / total
+    return {"wall_s": wall, "latent_frames": z.shape[2], "device_ms": total / 1e3, "ops": rows[:40]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--frames", type=int, default=5)
+    args = p.parse_args()
+    torch.backends.cudnn.benchmark = False
+    report: dict = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
+    vae = _vae(torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    z = torch.randn(1, 16, args.frames, 90, 160, device="cuda", generator=g, dtype=torch.bfloat16)
+    report["determinism"] = check_determinism(vae, z[:, :, :3])
+    x = torch.randn(1, 96, 4, 720, 1280, device="cuda", dtype=torch.bfloat16, generator=g)
+    x_mid = torch.randn(1, 384, 4, 90, 160, device="cuda", dtype=torch.bfloat16, generator=g)
+    report["norm_720p_c96"] = check_norm(x)
+    report["norm_90p_c384"] = check_norm(x_mid)
+    gamma = (1 + 0.1 * torch.randn(96, device="cuda", generator=g)).to(torch.bfloat16)
+    gamma_mid = (1 + 0.1 * torch.randn(384, device="cuda", generator=g)).to(torch.bfloat16)
+    try:
+        report["fused_720p_c96"] = check_fused(x, gamma)
+        report["fused_90p_c384"] = check_fused(x_mid, gamma_mid)
+    except Exception as e:
+        report["fused_error"] = f"{type(e).__name__}: {e}"
+    conv = vae.decoder.up_blocks[3].resnets[0].conv1
+    xc = torch.randn(1, 96, 6, 720, 1280, device="cuda", dtype=torch.bfloat16, generator=g)
+    report["conv_padding"] = check_conv_padding(xc, conv.weight, conv.bias)
+    report["halo_720p_c96"] = check_halo(xc, conv.weight, conv.bias)
+    conv_mid = vae.decoder.mid_block.resnets[0].conv1
+    xm = torch.randn(1, 384, 6, 90, 160, device="cuda", dtype=torch.bfloat16, generator=g)
+    report["halo_90p_c384"] = check_halo(xm, conv_mid.weight, conv_mid.bias)
+    del x, xc
+    report["profile_bf16"] = profile_ops(vae, z)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    brief = {k: v for k, v in report.items() if k != "profile_bf16"}
+    print(json.dumps(brief, indent=1))
+    prof = report["profile_bf16"]
+    print(f"wall {prof['wall_s']:.3f} s for {prof['latent_frames']} latents")
+    for r in prof["ops"][:25]:
+        print(f"{r['self_ms']:9.1f} ms {r['share']:6.1%} {r['calls']:6d}  {r['op'][:90]}")
+
+
+if __name__ == "__main__":
+    main()
