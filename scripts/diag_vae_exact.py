@@ -239,11 +239,54 @@ def profile_ops(vae, z) -> dict:
     return {"wall_s": wall, "latent_frames": z.shape[2], "device_ms": total / 1e3, "ops": rows[:40]}
 
 
+def time_modes(latent_frames: int) -> dict:
+    """Decode-only seconds and peak memory, eager against nostall's exact mode, 720p."""
+    from nostall.video.wan import decode_chunks
+
+    out = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        vae = _vae(dtype)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        z = torch.randn(1, 16, latent_frames, 90, 160, device="cuda", generator=g, dtype=dtype)
+        row = {}
+        frames = {}
+        for mode in ("eager", "exact"):
+            with torch.inference_mode():
+                for _ in decode_chunks(vae, z[:, :, :2], mode=mode):
+                    pass
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                t = time.perf_counter()
+                chunks = []
+                for c in decode_chunks(vae, z, mode=mode):
+                    chunks.append(c)
+                torch.cuda.synchronize()
+                row[f"{mode}_s"] = time.perf_counter() - t
+                row[f"{mode}_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+                frames[mode] = torch.cat(chunks, 2)
+                del chunks
+        row["speedup"] = row["eager_s"] / row["exact_s"]
+        row["bit_identical"] = bool(torch.equal(frames["eager"], frames["exact"]))
+        row["mismatches"] = int((frames["eager"] != frames["exact"]).sum())
+        out[name] = row
+        print(name, row, flush=True)
+        del vae, z, frames
+        torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--frames", type=int, default=5)
+    p.add_argument("--time", type=int, default=0, help="latent frames for eager vs exact timing")
     args = p.parse_args()
+    if args.time:
+        report = {"time_modes": time_modes(args.time)}
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+        return
     torch.backends.cudnn.benchmark = False
     report: dict = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
     vae = _vae(torch.bfloat16)

@@ -165,6 +165,25 @@ def test_decode_one_file_to_mp4(tmp_path, wan_folder):
         assert sum(1 for _ in c.decode(video=0)) == 13
 
 
+def test_decode_mode_exact_gives_the_eager_frames(tmp_path, wan_folder):
+    import numpy as np
+
+    z = _latents(tmp_path / "z.pt")
+    frames = {}
+    for mode in ("eager", "exact"):
+        out = tmp_path / f"{mode}.npy"
+        args = ["decode", z, "--vae", str(wan_folder), "-o", str(out), "--no-denormalize"]
+        result = runner.invoke(app, [*args, "--device", "cpu", "--mode", mode])
+        assert result.exit_code == 0, result.output
+        frames[mode] = np.load(out)
+    assert frames["exact"].shape[0] == 13
+    assert np.array_equal(frames["exact"], frames["eager"])
+    args = ["decode", z, "--vae", str(wan_folder), "-o", str(tmp_path / "x.npy")]
+    result = runner.invoke(app, [*args, "--no-denormalize", "--mode", "turbo"])
+    assert result.exit_code == 2 and "exact" in result.output
+    assert not (tmp_path / "x.npy").exists()
+
+
 @pytest.mark.parametrize("sync", [False, True])
 def test_decode_several_files_back_to_back(tmp_path, wan_folder, sync):
     import numpy as np

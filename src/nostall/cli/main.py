@@ -343,6 +343,12 @@ def decode(
     fps: float = typer.Option(16, help="Frame rate of the video."),
     preset: str = typer.Option("veryfast", help="libx264 preset for .mp4."),
     crf: int = typer.Option(23, help="libx264 quality for .mp4 (0 = lossless, up to 51)."),
+    mode: str = typer.Option(
+        "eager",
+        "--mode",
+        help="Decoder forward: eager (vae.decoder as is) or exact (bit-identical frames, "
+        "fused norm+SiLU, no cat/pad copies).",
+    ),
 ) -> None:
     """Decode Wan latents to video files, chunk by chunk, with a progress bar.
 
@@ -361,6 +367,10 @@ def decode(
             "de-normalised (what vae.decode takes); the wrong one gives wrong colours",
             param_hint="--denormalize/--no-denormalize",
         )
+    from nostall.video.wan import MODES
+
+    if mode not in MODES:
+        raise typer.BadParameter(f"choose one of {', '.join(MODES)}", param_hint="--mode")
     # Everything about the outputs is checked before the VAE is loaded.
     with _option("-o/--out"):
         targets = output_paths(latents, out, suffix=suffix)
@@ -389,6 +399,7 @@ def decode(
             preset=preset,
             crf=crf,
             progress=lambda done, total: bar.update(task, completed=done, total=total),
+            mode=mode,
         )
     wall = time.perf_counter() - t0
     for result in results:

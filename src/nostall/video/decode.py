@@ -61,6 +61,7 @@ def decode_to_file(
     pool: PinnedPool | None = None,
     progress: Progress | None = None,
     pipeline: Any = None,
+    mode: str = "eager",
 ) -> DecodeResult:
     """Decode Wan ``latents`` chunk by chunk and write the frames to ``path``.
 
@@ -75,6 +76,10 @@ def decode_to_file(
     (:func:`~nostall.video.wan.check_latents`: shape, the VAE's dtype and device, no
     NaN/inf).
 
+    ``mode`` picks the decoder's forward (see :func:`~nostall.video.wan.decode_chunks`):
+    ``"eager"`` (``vae.decoder`` as is) or ``"exact"`` (bit-identical frames, fewer
+    passes over memory).
+
     ``sync=True`` runs the one-thread baseline (decode, blocking copy, write) instead
     of the asynchronous pipeline. ``pipeline`` reuses an open pipeline (its streams,
     buffers and thread) across calls.
@@ -83,7 +88,7 @@ def decode_to_file(
     >>> decode_to_file(vae, z, "out.mp4", fps=16)  # doctest: +SKIP
     DecodeResult(path='out.mp4', frames=81, ...)
     """
-    sink, chunks = _open(vae, latents, path, fps=fps, preset=preset, crf=crf, threads=threads)
+    sink, chunks = _open(vae, latents, path, mode, fps=fps, preset=preset, crf=crf, threads=threads)
     total = frame_count(int(latents.shape[2]))
     own = pipeline is None
     try:
@@ -116,6 +121,7 @@ def submit_decode(
     crf: int = 23,
     threads: int = 0,
     progress: Progress | None = None,
+    mode: str = "eager",
 ) -> Future[DecodeResult]:
     """Like :func:`decode_to_file`, but return once the GPU work is launched.
 
@@ -138,7 +144,7 @@ def submit_decode(
             f"pipeline's writer thread), got {type(pipeline).__name__}; use decode_to_file "
             f"for the synchronous baseline"
         )
-    sink, chunks = _open(vae, latents, path, fps=fps, preset=preset, crf=crf, threads=threads)
+    sink, chunks = _open(vae, latents, path, mode, fps=fps, preset=preset, crf=crf, threads=threads)
     total = frame_count(int(latents.shape[2]))
     # The worker checks the count before it closes the sink (see AsyncFramePipeline.submit).
     done = pipeline.submit(chunks, sink, progress=progress, frames=total)
@@ -159,7 +165,11 @@ def submit_decode(
 
 
 def _open(
-    vae: AutoencoderKLWan, latents: torch.Tensor, path: str | os.PathLike, **options: Any
+    vae: AutoencoderKLWan,
+    latents: torch.Tensor,
+    path: str | os.PathLike,
+    mode: str,
+    **options: Any,
 ) -> tuple[FrameSink, Iterator[torch.Tensor]]:
     """The sink and the (not yet started) chunk generator, everything checked first."""
     sink = sink_for_path(path, **options)  # checks path and options before creating a file
@@ -167,7 +177,7 @@ def _open(
         # Checks the VAE and latents now and decodes lazily. The NaN check waits for the
         # GPU; the sink is opened before it so that, back to back, little host work sits
         # between the previous video's last kernel and this one's first.
-        return sink, decode_chunks(vae, latents)
+        return sink, decode_chunks(vae, latents, mode=mode)
     except BaseException:
         sink.abort()
         raise

@@ -28,6 +28,7 @@ from nostall.video.latents import load_latents
 from nostall.video.pipeline import AsyncFramePipeline, SyncFramePipeline
 from nostall.video.sinks import check_sink_path
 from nostall.video.wan import (
+    MODES,
     _latents_stats,
     check_latents,
     frame_count,
@@ -97,6 +98,7 @@ def decode_files(
     crf: int = 23,
     threads: int = 0,
     progress: FilesProgress | None = None,
+    mode: str = "eager",
 ) -> list[DecodeResult]:
     """Decode each latents file to its output, back to back through one pipeline.
 
@@ -114,7 +116,9 @@ def decode_files(
     file's per-channel spread clearly says otherwise.
 
     Each file is moved to the VAE's device and dtype (:func:`vae_placement`) just
-    before its decode. ``sync=True`` uses the one-thread baseline. ``progress(done,
+    before its decode. ``sync=True`` uses the one-thread baseline; ``mode`` is the
+    decoder's forward (``"eager"`` or ``"exact"``, see
+    :func:`~nostall.video.wan.decode_chunks`). ``progress(done,
     total)`` is called with frame counts once all inputs are checked (``done == 0``)
     and as chunks are launched. Returns one :class:`DecodeResult` per file, in order;
     the first failure is raised after the files already submitted are finished.
@@ -140,6 +144,8 @@ def decode_files(
             f"per latents file (output_paths makes them)"
         )
     _check_distinct(targets, paths)
+    if mode not in MODES:
+        raise ArgumentError(f"mode={mode!r}; choose one of {', '.join(map(repr, MODES))}")
     options = {"fps": fps, "preset": preset, "crf": crf, "threads": threads}
     for target in targets:
         check_sink_path(target, **options)
@@ -171,11 +177,15 @@ def decode_files(
                 z = denormalize_latents(vae, z)
             if sync:
                 results.append(
-                    decode_to_file(vae, z, target, pipeline=pipe, progress=advance, **options)
+                    decode_to_file(
+                        vae, z, target, pipeline=pipe, progress=advance, mode=mode, **options
+                    )
                 )
             else:
                 pending.append(
-                    submit_decode(vae, z, target, pipeline=pipe, progress=advance, **options)
+                    submit_decode(
+                        vae, z, target, pipeline=pipe, progress=advance, mode=mode, **options
+                    )
                 )
         # Leaving the with block would wait for them too; result() also raises failures.
         results += [f.result() for f in pending]

@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import inspect
+import logging
 import sys
 from collections.abc import Iterator
 from types import ModuleType
@@ -27,12 +28,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nostall.errors import LatentsError, UnsupportedError
+from nostall.errors import ArgumentError, LatentsError, UnsupportedError
+from nostall.video.exact import ExactDecoder, ExactState, unsupported_reason
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan
 
 __all__ = ["check_latents", "decode_chunks", "denormalize", "frame_count", "vae_placement"]
+
+log = logging.getLogger(__name__)
+
+MODES = ("eager", "exact")
 
 # Wan VAEs (2.1 and 2.2) compress time 4x: the first latent frame decodes to 1 frame,
 # every later one to 4.
@@ -232,7 +238,9 @@ def _latents_stats(vae: AutoencoderKLWan) -> tuple[list[float], list[float]]:
     return [float(m) for m in mean], [float(s) for s in std]
 
 
-def decode_chunks(vae: AutoencoderKLWan, z: torch.Tensor) -> Iterator[torch.Tensor]:
+def decode_chunks(
+    vae: AutoencoderKLWan, z: torch.Tensor, *, mode: str = "eager"
+) -> Iterator[torch.Tensor]:
     """Decode Wan latents one latent frame at a time, yielding video chunks.
 
     Yields ``(B, 3, t, H, W)`` tensors in ``[-1, 1]`` (already unpatchified and clamped
@@ -246,6 +254,11 @@ def decode_chunks(vae: AutoencoderKLWan, z: torch.Tensor) -> Iterator[torch.Tens
     ``vae.forward`` only, so ``vae.decode`` runs the plain decoder, and so does this.
     A compiled decoder (``vae.decoder = torch.compile(vae.decoder)``) is called exactly
     as ``vae.decode`` calls it.
+
+    ``mode``: ``"eager"`` calls ``vae.decoder`` as ``vae.decode`` does; ``"exact"`` runs
+    the same modules and weights through nostall's forward (see :mod:`nostall.video.exact`):
+    the same arithmetic, bit-identical frames, fewer passes over memory. A decoder that
+    ``exact`` cannot run (a changed diffusers) decodes eagerly, said once in the log.
 
     The latents are checked now (:class:`LatentsError`), not at the first ``next()``.
     Spatial tiling (``vae.enable_tiling()``) that would actually split these latents is
@@ -265,7 +278,7 @@ def decode_chunks(vae: AutoencoderKLWan, z: torch.Tensor) -> Iterator[torch.Tens
         (1, 3, 4, 480, 832)
         ...
     """
-    internals = _WanInternals(vae)
+    internals = _WanInternals(vae, mode=mode)
     check_latents(vae, z)
     if internals.would_tile(z):
         h, w = z.shape[-2:]
@@ -326,6 +339,19 @@ def _decode_chunks(internals: _WanInternals, z: torch.Tensor) -> Iterator[torch.
 # ---------------------------------------------------------------------------------------
 
 _TESTED_DIFFUSERS = "0.42.1"
+
+
+_WARNED: set[str] = set()
+
+
+def _exact_decoder(decoder: Any, wan_module: ModuleType) -> ExactDecoder | None:
+    why = unsupported_reason(decoder, wan_module)
+    if why is not None:
+        if why not in _WARNED:  # once per reason, not once per video
+            _WARNED.add(why)
+            log.warning("mode='exact' cannot run this decoder (%s); decoding eagerly", why)
+        return None
+    return ExactDecoder(decoder, wan_module)
 
 
 def _wan_module() -> ModuleType:
@@ -402,7 +428,12 @@ def _incompatible(what: str) -> UnsupportedError:
 class _WanInternals:
     """Checked access to the private parts of ``AutoencoderKLWan`` that chunking needs."""
 
-    def __init__(self, vae: AutoencoderKLWan) -> None:
+    def __init__(self, vae: AutoencoderKLWan, *, mode: str = "eager") -> None:
+        if mode not in MODES:
+            raise ArgumentError(
+                f"mode={mode!r}; choose one of {', '.join(map(repr, MODES))} (exact: "
+                "bit-identical frames, faster; eager: vae.decoder as is)"
+            )
         wan_module = _wan_module()
         vae = _as_wan(vae)
         missing = [n for n in ("decoder", "post_quant_conv", "config") if not hasattr(vae, n)]
@@ -432,6 +463,12 @@ class _WanInternals:
         # One slot per causal conv, exactly as AutoencoderKLWan.clear_cache sizes _feat_map.
         conv = wan_module.WanCausalConv3d
         self._cache_slots = sum(isinstance(m, conv) for m in decoder.modules())
+        self.mode = mode
+        self._exact: ExactDecoder | None = None
+        if mode == "exact":
+            self._exact = _exact_decoder(decoder, wan_module)
+            if self._exact is None:
+                self.mode = "eager"
 
     def tile_latent_size(self) -> str:
         ratio = self._vae.spatial_compression_ratio
@@ -459,7 +496,9 @@ class _WanInternals:
         if hook is not None and hasattr(hook, "pre_forward"):
             hook.pre_forward(self._vae)
 
-    def new_cache(self) -> list[Any]:
+    def new_cache(self) -> list[Any] | ExactState:
+        if self._exact is not None:
+            return ExactState()
         return [None] * self._cache_slots
 
     def post_quant(self, z: torch.Tensor) -> torch.Tensor:
@@ -467,10 +506,13 @@ class _WanInternals:
 
     def decode_frame(self, x: torch.Tensor, cache: list[Any], *, first: bool) -> torch.Tensor:
         """One latent frame ``(b, C, 1, h, w)`` -> ``(b, 3, t, H, W)``, unpatchified, clamped."""
-        kwargs: dict[str, Any] = {"feat_cache": cache, "feat_idx": [0]}
-        if self._pass_first_chunk:
-            kwargs["first_chunk"] = first
-        out = self._vae.decoder(x, **kwargs)  # (b, 3 * p * p, t, H / p, W / p)
+        if self._exact is not None:
+            out = self._exact.forward(x, cache, first=first)
+        else:
+            kwargs: dict[str, Any] = {"feat_cache": cache, "feat_idx": [0]}
+            if self._pass_first_chunk:
+                kwargs["first_chunk"] = first
+            out = self._vae.decoder(x, **kwargs)  # (b, 3 * p * p, t, H / p, W / p)
         if self._unpatchify is not None:
             out = self._unpatchify(out, patch_size=self._patch_size)  # (b, 3, t, H, W)
         return torch.clamp(out, min=-1.0, max=1.0)

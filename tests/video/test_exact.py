@@ -1,0 +1,134 @@
+"""``mode="exact"``: nostall's decoder forward must give ``vae.decode``'s bits (CPU, tiny VAEs)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+pytest.importorskip("diffusers")
+from diffusers.models.autoencoders import autoencoder_kl_wan as wan_module
+from test_wan import _BUILDERS, _latents, _reference
+
+from nostall.errors import ArgumentError
+from nostall.video import exact as exact_mod
+from nostall.video.exact import ExactDecoder, ExactState, unsupported_reason
+from nostall.video.kernels import rms_silu_into
+from nostall.video.wan import decode_chunks
+
+
+@pytest.fixture(params=sorted(_BUILDERS))
+def vae(request):
+    return _BUILDERS[request.param]()
+
+
+def _never_called(monkeypatch, vae):
+    def refuse(x, feat_cache=None, feat_idx=None, first_chunk=False):
+        raise AssertionError("exact mode called vae.decoder.forward")
+
+    monkeypatch.setattr(vae.decoder, "forward", refuse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 2, 5])
+def test_exact_mode_is_bit_identical_to_vae_decode(vae, dtype, t, monkeypatch):
+    vae = vae.to(dtype)
+    z = _latents(vae, t=t, h=3, w=5).to(dtype)
+    ref = _reference(vae, z)
+    _never_called(monkeypatch, vae)
+    chunks = list(decode_chunks(vae, z, mode="exact"))
+    assert [c.shape[2] for c in chunks] == [1] + [4] * (t - 1)
+    out = torch.cat(chunks, dim=2)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("slicing", [False, True])
+def test_exact_mode_batches(vae, slicing):
+    vae.use_slicing = slicing
+    z = _latents(vae, b=2, t=3)
+    out = torch.cat(list(decode_chunks(vae, z, mode="exact")), dim=2)
+    assert torch.equal(out, _reference(vae, z))
+
+
+def test_interleaved_exact_generators_keep_their_own_buffers(vae):
+    za, zb = _latents(vae, t=3, seed=1), _latents(vae, t=3, seed=2)
+    ga, gb = decode_chunks(vae, za, mode="exact"), decode_chunks(vae, zb, mode="exact")
+    a, b = [], []
+    for ca, cb in zip(ga, gb, strict=True):
+        a.append(ca)
+        b.append(cb)
+    assert torch.equal(torch.cat(a, 2), _reference(vae, za))
+    assert torch.equal(torch.cat(b, 2), _reference(vae, zb))
+
+
+def test_state_is_released_at_the_end_and_early_stop(vae, monkeypatch):
+    states = []
+    new = ExactState.__init__
+
+    def spy(self):
+        new(self)
+        states.append(self)
+
+    monkeypatch.setattr(ExactState, "__init__", spy)
+    list(decode_chunks(vae, _latents(vae, t=3), mode="exact"))
+    gen = decode_chunks(vae, _latents(vae, t=3), mode="exact")
+    next(gen)
+    assert states[1].history  # mid-video: the cached frames are there
+    gen.close()
+    for s in states:
+        assert not s.history and not s.work and not s.started
+
+
+def test_unknown_mode_is_an_argument_error(vae):
+    with pytest.raises(ArgumentError, match="exact"):
+        decode_chunks(vae, _latents(vae), mode="fastest")
+
+
+def test_a_decoder_exact_cannot_run_decodes_eagerly_and_says_so_once(vae, caplog):
+    vae.decoder.nonlinearity = nn.GELU()  # the head: eager uses it, exact would not
+    z = _latents(vae, t=2)
+    ref = _reference(vae, z)
+    exact_mod_warned = __import__("nostall.video.wan", fromlist=["_WARNED"])._WARNED
+    exact_mod_warned.clear()
+    with caplog.at_level(logging.WARNING, logger="nostall.video.wan"):
+        out1 = torch.cat(list(decode_chunks(vae, z, mode="exact")), 2)
+        out2 = torch.cat(list(decode_chunks(vae, z, mode="exact")), 2)
+    assert torch.equal(out1, ref) and torch.equal(out2, ref)
+    warnings = [r for r in caplog.records if "decoding eagerly" in r.getMessage()]
+    assert len(warnings) == 1 and "GELU" in warnings[0].getMessage()
+
+
+def test_unsupported_reasons_name_the_part(vae):
+    assert unsupported_reason(vae.decoder, wan_module) is None
+    norm = next(m for m in vae.decoder.modules() if isinstance(m, wan_module.WanRMS_norm))
+    norm.bias = nn.Parameter(torch.zeros(1))
+    assert "bias" in unsupported_reason(vae.decoder, wan_module)
+    assert "no conv_in" in unsupported_reason(nn.Module(), wan_module)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_silu_into_a_strided_view_equals_the_eager_chain(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 3, 5, 7, generator=g).to(dtype).permute(0, 2, 1, 3, 4)  # strided
+    x = x.permute(0, 2, 1, 3, 4)  # (2, 6, 3, 5, 7), memory order (b, t, c, h, w)
+    gamma = (1 + 0.1 * torch.randn(6, generator=g)).to(dtype)
+    norm = wan_module.WanRMS_norm(6, images=False).to(dtype)
+    with torch.no_grad():
+        norm.gamma.copy_(gamma.view(6, 1, 1, 1))
+        ref = nn.SiLU()(norm(x))
+    buf = torch.zeros(2, 6, 5, 7, 9, dtype=dtype)
+    rms_silu_into(x, gamma, norm.scale, buf[:, :, 2:, 1:-1, 1:-1])
+    assert torch.equal(buf[:, :, 2:, 1:-1, 1:-1], ref)
+    assert buf[:, :, :2].abs().sum() == 0 and buf[..., 0, :].abs().sum() == 0
+
+
+def test_exact_decoder_module_reuses_the_vae_weights(vae):
+    dec = ExactDecoder(vae.decoder, wan_module)
+    assert dec.decoder is vae.decoder
+    before = {n: p.data_ptr() for n, p in vae.named_parameters()}
+    list(decode_chunks(vae, _latents(vae, t=2), mode="exact"))
+    assert {n: p.data_ptr() for n, p in vae.named_parameters()} == before
+    assert exact_mod.ExactState().work == {}
