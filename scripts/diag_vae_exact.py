@@ -210,18 +210,27 @@ def check_halo(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> dict:
     }
 
 
-def profile_ops(vae, z) -> dict:
+def profile_ops(vae, z, mode: str = "vae.decode") -> dict:
     from torch.profiler import ProfilerActivity, profile
 
+    from nostall.video.wan import decode_chunks
+
+    def run(zz):
+        if mode == "vae.decode":
+            vae.decode(zz)
+        else:
+            for _ in decode_chunks(vae, zz, mode=mode):
+                pass
+
     with torch.inference_mode():
-        vae.decode(z[:, :, :2])
+        run(z[:, :, :2])
         torch.cuda.synchronize()
         t = time.perf_counter()
-        vae.decode(z)
+        run(z)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            vae.decode(z)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run(z)
             torch.cuda.synchronize()
     rows = []
     total = 0.0
@@ -281,7 +290,23 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--frames", type=int, default=5)
     p.add_argument("--time", type=int, default=0, help="latent frames for eager vs exact timing")
+    p.add_argument("--profile-mode", default=None, help="only profile decode_chunks(mode=...)")
     args = p.parse_args()
+    if args.profile_mode:
+        vae = _vae(torch.bfloat16)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        z = torch.randn(
+            1, 16, args.frames, 90, 160, device="cuda", generator=g, dtype=torch.bfloat16
+        )
+        prof = profile_ops(vae, z, args.profile_mode)
+        with open(args.out, "w") as f:
+            json.dump(prof, f, indent=1)
+        print(
+            f"wall {prof['wall_s']:.3f} s for {prof['latent_frames']} latents, mode {args.profile_mode}"
+        )
+        for r in prof["ops"][:30]:
+            print(f"{r['self_ms']:9.1f} ms {r['share']:6.1%} {r['calls']:6d}  {r['op'][:110]}")
+        return
     if args.time:
         report = {"time_modes": time_modes(args.time)}
         with open(args.out, "w") as f:

@@ -76,7 +76,11 @@ def _print_stats(stats, console: Console) -> None:
 
 
 def bench_switch(
-    size: str = typer.Option("full", help="full (FLUX.1-dev 34 GB + SDXL 6.9 GB layouts) or tiny."),
+    size: str = typer.Option(
+        "full",
+        help="full (FLUX.1-dev 34 GB + SDXL 6.9 GB layouts, and a second FLUX transformer), "
+        "full-lean (no second FLUX: fits a 128 GiB host) or tiny.",
+    ),
     folder: str = typer.Option(
         "/tmp/nostall-bench/store", help="Where the random store is written."
     ),
@@ -106,8 +110,8 @@ def bench_switch(
         raise typer.BadParameter(
             f"unknown parts {bad}; choose from {list(PARTS)}", param_hint="--part"
         )
-    if size not in ("full", "tiny"):
-        raise typer.BadParameter(f"{size!r}; choose full or tiny", param_hint="--size")
+    if size not in ("full", "full-lean", "tiny"):
+        raise typer.BadParameter(f"{size!r}; choose full, full-lean or tiny", param_hint="--size")
     with _option("--out"):
         check_new_output(out, overwrite=overwrite)
     report = run_switch_bench(
