@@ -249,6 +249,23 @@ def test_prepare_builds_modules_and_loads_tokenizers_at_boot(store, monkeypatch)
             c.prepare("flux", "nope")
 
 
+def test_a_component_back_at_its_offset_builds_no_views(store, cache, monkeypatch):
+    # Thousands of views per pipeline hold the GIL beside the running inference when a
+    # prefetch brings a component back where its module already points.
+    from nostall.transfer.plan import LoadPlan
+
+    cache.pipeline("flux")
+    cache.evict("gpu")
+    calls = []
+    real = LoadPlan.views
+    monkeypatch.setattr(LoadPlan, "views", lambda self, flat: calls.append(1) or real(self, flat))
+    with cache.use("flux") as pipe:
+        out = run(pipe, "flux")
+    assert {x.tier for x in cache.last_report.components} == {"host"}
+    assert calls == []
+    assert np.array_equal(out, reference(store, "flux"))
+
+
 def test_a_switch_never_walks_the_process_page_tables(store, monkeypatch):
     # /proc/self/smaps costs 0.1-0.3 s per read in a GPU process mapping tens of GB; the
     # host tier's admission once read it four times per page-cache switch (2.4 s FLUX

@@ -603,6 +603,8 @@ class ModelCache:
                 "key": mv.c.digest,
                 "into": self._tier.view(mv.slot),
                 "after": after if cuda else None,
+                # Back at the offset its module views: no new views needed.
+                "views": mv.inst.offset != mv.slot.offset,
             }
             try:
                 pool = self._host.pool if mv.cached else None

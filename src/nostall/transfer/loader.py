@@ -207,6 +207,7 @@ class Loader:
         key: Hashable | None = None,
         into: torch.Tensor | None = None,
         after: list[Any] | None = None,
+        views: bool = True,
     ) -> PendingLoad:
         """Like :meth:`load`, but return once every copy is issued; ``wait()`` ends it.
 
@@ -219,7 +220,9 @@ class Loader:
         ``uint8`` buffer on ``device`` of at least the plan's ``target_bytes`` that the
         tensors will view (the model cache's device slots); its owner orders the copies
         with ``after`` (events the copy stream waits for), instead of the default wait
-        for the current stream.
+        for the current stream. With ``into``, ``views=False`` returns no tensors: the
+        caller's modules already view ``into`` (a prefetch back to the same slot), and
+        building thousands of views would only hold the GIL beside a running inference.
         """
         t0 = time.perf_counter()
         dev = resolve_device(device)
@@ -229,10 +232,12 @@ class Loader:
         plan = LoadPlan(ckpt, dtype, mirror_file=dev.type == "cpu")
         if into is not None:
             _check_into(into, plan, dev)
+        elif not views:
+            raise ArgumentError("views=False needs into= (the tensors would be lost)")
         with self._lock:
             if self._reader is None:
                 raise ClosedError("the loader is closed; create a new Loader")
-            target = (into, after) if into is not None else None
+            target = (into, after, views) if into is not None else None
             if pool is not None:
                 out = self._via_pool(plan, dev, pool, key, target)
             elif dev.type == "cuda":
@@ -246,7 +251,7 @@ class Loader:
     def _transfer(self, plan: LoadPlan, dev: torch.device, target) -> tuple[Transfer, Any]:
         if target is None:
             return Transfer(plan, self._engine(dev), _target_buffer(plan.target_bytes, dev)), None
-        into, after = target
+        into, after, _ = target
         return Transfer(plan, self._engine(dev), into), None if after is None else list(after)
 
     def _via_pool(
@@ -262,10 +267,12 @@ class Loader:
         try:
             # Inside the try: an out-of-memory here must still give the block back.
             moves, after = self._transfer(plan, dev, target)
+            views = target is None or target[2]
             if hit:
-                out = self._copy_block(plan, block, moves, after)
+                out = self._copy_block(plan, block, moves, after, views)
             else:
-                out = self._read(plan, _BlockRoute(plan, block, self.chunk_bytes), moves, after)
+                route = _BlockRoute(plan, block, self.chunk_bytes)
+                out = self._read(plan, route, moves, after, views)
                 out.path = "pool"
             ok = True
             return out
@@ -280,14 +287,16 @@ class Loader:
             # from reuse until they end.
             block.release()
 
-    def _copy_block(self, plan: LoadPlan, block: Block, moves: Transfer, after) -> _Outcome:
+    def _copy_block(
+        self, plan: LoadPlan, block: Block, moves: Transfer, after, views: bool
+    ) -> _Outcome:
         moves.begin(after)
         for i, f in enumerate(plan.checkpoint.files):
             base = plan.host_base[i]
             # One copy never spans two registrations (CUDA refuses it).
             for a, b in block.split(base + f.data_start, base + f.data_end):
                 block.fence(moves.land(i, a - base, b - base, block.tensor[a:b]))
-        tensors = plan.views(moves.flat)
+        tensors = plan.views(moves.flat) if views else {}
         return _Outcome(tensors, "memory-cache hit", "pool", "-", moves=moves)
 
     def _via_ring(self, plan: LoadPlan, dev: torch.device, target) -> _Outcome:
@@ -295,7 +304,9 @@ class Loader:
         ring.reset()
         moves, after = self._transfer(plan, dev, target)
         try:
-            out = self._read(plan, _RingRoute(plan, ring), moves, after)
+            out = self._read(
+                plan, _RingRoute(plan, ring), moves, after, target is None or target[2]
+            )
         except BaseException:
             moves.abort()
             raise
@@ -311,16 +322,15 @@ class Loader:
             moves, _ = self._transfer(plan, torch.device("cpu"), target)
             arena = HostArena(plan.host_bytes, segment_bytes=round_up(plan.host_bytes, PAGE))
             try:
-                out = self._read(
-                    plan, _ArenaRoute(plan, arena, self.chunk_bytes, copies=True), moves, None
-                )
+                route = _ArenaRoute(plan, arena, self.chunk_bytes, copies=True)
+                out = self._read(plan, route, moves, None, target[2])
             finally:
                 arena.close()
             out.path = "host"
             return out
         nbytes = plan.host_bytes
         arena = HostArena(nbytes, segment_bytes=round_up(nbytes, PAGE))
-        out = self._read(plan, _ArenaRoute(plan, arena, self.chunk_bytes), None, None)
+        out = self._read(plan, _ArenaRoute(plan, arena, self.chunk_bytes), None, None, True)
         host = arena.tensor
         arena.close()  # nothing is registered; the tensors keep the mapping alive
         tensors = plan.source_views(host)
@@ -340,7 +350,12 @@ class Loader:
     # ---- the shared read → copy loop ---------------------------------------------
 
     def _read(
-        self, plan: LoadPlan, route: _Route, moves: Transfer | None, after: list[Any] | None
+        self,
+        plan: LoadPlan,
+        route: _Route,
+        moves: Transfer | None,
+        after: list[Any] | None,
+        views: bool,
     ) -> _Outcome:
         """Read every range the route asks for; as each lands, copy it (``moves``).
 
@@ -364,7 +379,7 @@ class Loader:
             t0 = time.perf_counter()
             handle = self._reader.submit(requests)
             # Views need the buffer, not its bytes: build them while the reads run.
-            tensors = plan.views(moves.flat) if moves is not None else {}
+            tensors = plan.views(moves.flat) if moves is not None and views else {}
             for i, a, b in handle.completed():
                 event = moves.land(i, a, b, route.host(i, a, b)) if moves is not None else None
                 route.landed(i, a, b, event)
