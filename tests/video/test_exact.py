@@ -79,7 +79,7 @@ def test_state_is_released_at_the_end_and_early_stop(vae, monkeypatch):
     assert states[1].history  # mid-video: the cached frames are there
     gen.close()
     for s in states:
-        assert not s.history and not s.work and not s.started
+        assert not s.history and s.flat is None and not s.started
 
 
 def test_unknown_mode_is_an_argument_error(vae):
@@ -131,4 +131,4 @@ def test_exact_decoder_module_reuses_the_vae_weights(vae):
     before = {n: p.data_ptr() for n, p in vae.named_parameters()}
     list(decode_chunks(vae, _latents(vae, t=2), mode="exact"))
     assert {n: p.data_ptr() for n, p in vae.named_parameters()} == before
-    assert exact_mod.ExactState().work == {}
+    assert exact_mod.ExactState().flat is None

@@ -7,10 +7,10 @@ float copy and five more full passes, every up-sampler converts to float and bac
 This mode runs the decoder's own modules and weights (nothing is patched or copied)
 through a forward that:
 
-* keeps each causal conv's two cached frames in a preallocated, zero-bordered buffer
-  and writes the new frames into the same buffer's interior, so the conv reads the
-  exact tensor eager builds with ``cat`` + ``F.pad`` (same shape, same layout, same
-  cuDNN algorithm, same bits) without either copy;
+* lays each causal conv's input out in one zero-bordered working buffer: its two
+  cached frames, then the new frames written straight into the interior, so the conv
+  reads the exact tensor eager builds with ``cat`` + ``F.pad`` (same shape, same
+  layout, same cuDNN algorithm, same bits) without either copy;
 * fuses RMS norm and SiLU into one kernel that writes there (:mod:`.kernels`);
 * interleaves the temporal up-sampler's output and reorders it for the spatial
   up-sampler in one copy, and up-samples in the activation dtype (nearest neighbour
@@ -39,20 +39,39 @@ log = logging.getLogger(__name__)
 
 class ExactState:
     """One video's decoder state: each causal conv's last two input frames (padded, as the
-    conv reads them), which temporal up-samplers have seen their first chunk, and the
-    working buffers (one per conv input shape, shared by the convs of that shape, which
-    run one after another). Per video, so videos decoded at once never share a buffer;
+    conv reads them), which temporal up-samplers have seen their first chunk, and one
+    working buffer that every causal conv's input is laid out in, one conv after another
+    (sized for the largest; its border is zeroed when the layout changes, about five
+    times a chunk). Per video, so videos decoded at once never share a buffer;
     :meth:`clear` (at the end of the video) gives it all back."""
 
     def __init__(self) -> None:
         self.history: dict[int, torch.Tensor] = {}
         self.started: set[int] = set()
-        self.work: dict[tuple, torch.Tensor] = {}
+        self.flat: torch.Tensor | None = None
+        self.layout: tuple | None = None
+
+    def buffer(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A zero-bordered buffer of ``shape``, viewing the working memory."""
+        need = 1
+        for n in shape:
+            need *= n
+        if self.flat is None or self.flat.numel() < need:
+            self.flat = None  # the old one goes before the new one is taken
+            self.flat = like.new_empty(need)
+            self.layout = None
+        buf = self.flat[:need].view(shape)
+        key = (shape, like.dtype)
+        if self.layout != key:
+            buf.zero_()  # only interiors and whole history frames are written from now on
+            self.layout = key
+        return buf
 
     def clear(self) -> None:
         self.history.clear()
         self.started.clear()
-        self.work.clear()
+        self.flat = None
+        self.layout = None
 
 
 def unsupported_reason(decoder: nn.Module, wan: Any) -> str | None:
@@ -112,11 +131,7 @@ class ExactDecoder:
                     x = x + up.avg_shortcut(x_in, first_chunk=first)
             elif up.upsamplers is not None:
                 x = self._resample(up.upsamplers[0], x, state)
-        out = self._norm_silu_conv(d.norm_out, d.conv_out, x, state)
-        if first:
-            # Later chunks have more frames per level: the first chunk's buffers are done.
-            state.work.clear()
-        return out
+        return self._norm_silu_conv(d.norm_out, d.conv_out, x, state)
 
     # ---- blocks ------------------------------------------------------------------
 
@@ -174,10 +189,7 @@ class ExactDecoder:
                 fill(src)
             return nn.Conv3d._conv_forward(conv, src, conv.weight, conv.bias)
         c = conv.in_channels
-        key = (b, c, t, h, w, x.dtype, x.device, ph, pw)
-        buf = state.work.get(key)
-        if buf is None:
-            buf = state.work[key] = x.new_zeros(b, c, pt + t, h + 2 * ph, w + 2 * pw)
+        buf = state.buffer((b, c, pt + t, h + 2 * ph, w + 2 * pw), x)
         hist = state.history.get(id(conv))
         if hist is None:
             hist = state.history[id(conv)] = x.new_zeros(b, c, pt, h + 2 * ph, w + 2 * pw)
