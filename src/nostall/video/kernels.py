@@ -70,23 +70,15 @@ _ROUND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 def _launch(x, norm, gamma, scale, out) -> None:
     B, C, T, H, W = x.shape
     rows = B * C * T * H
-    # A tile of rows x a power of two that divides W (1280 -> 256, 160 -> 32): no lane
-    # is masked off, and ~2k elements per program whatever the resolution.
-    block = W & -W
-    while block > 256:
-        block //= 2
-    if block < 16:
-        block = min(256, triton.next_power_of_2(W))  # odd widths: mask the tail
-    tile_rows = max(1, 2048 // block)
+    block = min(2048, triton.next_power_of_2(W))
     xs, os_ = x.stride(), out.stride()
-    grid = (triton.cdiv(rows, tile_rows), triton.cdiv(W, block))
-    _rms_silu[grid](
+    _rms_silu[(rows, triton.cdiv(W, block))](
         x, norm, gamma.reshape(-1), out,
-        rows, C, T, H, W,
+        C, T, H, W,
         *xs, *os_,
         norm.stride(0), norm.stride(2), norm.stride(3), norm.stride(4),
         float(scale), _EPS,
-        BLOCK=block, ROWS=tile_rows, ROUND=_ROUND[x.dtype],
+        BLOCK=block, ROUND=_ROUND[x.dtype],
     )  # fmt: skip
 
 
@@ -104,36 +96,31 @@ if triton is not None:
     @triton.jit
     def _rms_silu(
         x_ptr, n_ptr, g_ptr, o_ptr,
-        rows, C, T, H, W,
+        C, T, H, W,
         xb, xc, xt, xh, xw,
         ob, oc, ot, oh, ow,
         nb, nt, nh, nw,
         scale, eps,
-        BLOCK: tl.constexpr, ROWS: tl.constexpr, ROUND: tl.constexpr,
+        BLOCK: tl.constexpr, ROUND: tl.constexpr,
     ):  # fmt: skip
-        # A tile of ROWS (b, c, t, h) rows by BLOCK columns of w: the index arithmetic is
-        # per row, the per-element work is the arithmetic eager does.
-        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        rmask = row < rows
+        # One program per (b, c, t, h) row and block of w: the index arithmetic is scalar.
+        row = tl.program_id(0).to(tl.int64)
         h = row % H
         t = (row // H) % T
         c = (row // (H * T)) % C
         b = row // (H * T * C)
         w = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = rmask[:, None] & (w < W)[None, :]
-        x_row = b * xb + c * xc + t * xt + h * xh
-        n_row = b * nb + t * nt + h * nh
-        o_row = b * ob + c * oc + t * ot + h * oh
-        x = tl.load(x_ptr + x_row[:, None] + (w * xw)[None, :], mask=mask, other=0.0)
-        n = tl.load(n_ptr + n_row[:, None] + (w * nw)[None, :], mask=mask, other=1.0)
-        g = tl.load(g_ptr + c, mask=rmask, other=0.0).to(tl.float32)
+        mask = w < W
+        x = tl.load(x_ptr + b * xb + c * xc + t * xt + h * xh + w * xw, mask=mask, other=0.0)
+        n = tl.load(n_ptr + b * nb + t * nt + h * nh + w * nw, mask=mask, other=1.0)
+        g = tl.load(g_ptr + c).to(tl.float32)
         y = tl.math.div_rn(x.to(tl.float32), tl.maximum(n, eps))
         y = _round(y, ROUND)  # F.normalize(...).to(x.dtype)
         y = _round(y * scale, ROUND)
-        y = _round(y * g[:, None], ROUND)
+        y = _round(y * g, ROUND)
         y = tl.where(y == 0.0, 0.0, y)  # + 0.0
         y = tl.math.div_rn(y, 1.0 + libdevice.exp(-y))  # SiLU, as ATen computes it
-        ptr = o_ptr + o_row[:, None] + (w * ow)[None, :]
+        ptr = o_ptr + b * ob + c * oc + t * ot + h * oh + w * ow
         if ROUND == 2:
             tl.store(ptr, y, mask=mask)
         else:
