@@ -285,13 +285,46 @@ def time_modes(latent_frames: int) -> dict:
     return out
 
 
+def time_two_gpus(latent_frames: int) -> dict:
+    """bf16 exact on cuda:0 against exact split over cuda:0 and cuda:1, 720p."""
+    from nostall.video.wan import decode_chunks
+
+    vae = _vae(torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    z = torch.randn(1, 16, latent_frames, 90, 160, device="cuda", generator=g, dtype=torch.bfloat16)
+    row, frames = {}, {}
+    for name, devices in (("one", None), ("two", ["cuda:0", "cuda:1"])):
+        with torch.inference_mode():
+            for _ in decode_chunks(vae, z[:, :, :2], mode="exact", devices=devices):
+                pass
+            for d in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(d)
+            t = time.perf_counter()
+            # Chunks stay where they are made (a copy back to cuda:0 inside the loop would
+            # order the next chunk's first stage after this one's second).
+            chunks = list(decode_chunks(vae, z, mode="exact", devices=devices))
+            for d in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(d)
+            row[f"{name}_s"] = time.perf_counter() - t
+            frames[name] = torch.cat([c.to("cuda:0") for c in chunks], 2)
+    row["speedup"] = row["one_s"] / row["two_s"]
+    row["bit_identical"] = bool(torch.equal(frames["one"], frames["two"]))
+    print("two GPUs", row, flush=True)
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--frames", type=int, default=5)
     p.add_argument("--time", type=int, default=0, help="latent frames for eager vs exact timing")
     p.add_argument("--profile-mode", default=None, help="only profile decode_chunks(mode=...)")
+    p.add_argument("--two-gpus", type=int, default=0, help="latent frames: exact on 1 vs 2 GPUs")
     args = p.parse_args()
+    if args.two_gpus:
+        with open(args.out, "w") as f:
+            json.dump({"two_gpus": time_two_gpus(args.two_gpus)}, f, indent=1)
+        return
     if args.profile_mode:
         vae = _vae(torch.bfloat16)
         g = torch.Generator(device="cuda").manual_seed(0)

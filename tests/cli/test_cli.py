@@ -184,6 +184,18 @@ def test_decode_mode_exact_gives_the_eager_frames(tmp_path, wan_folder):
     assert not (tmp_path / "x.npy").exists()
 
 
+def test_decode_devices_are_checked_before_the_vae_is_read(tmp_path, wan_folder):
+    z = _latents(tmp_path / "z.pt")
+    base = ["decode", z, "--vae", str(wan_folder), "-o", str(tmp_path / "x.npy")]
+    result = runner.invoke(app, [*base, "--no-denormalize", "--devices", "cuda:0,cuda:1"])
+    assert result.exit_code == 2 and "--mode exact" in result.output
+    args = [*base, "--no-denormalize", "--mode", "exact", "--devices", "cuda:0,cuda:0"]
+    result = runner.invoke(app, args)
+    assert result.exit_code != 0
+    assert "twice" in result.output or "does not exist" in str(result.exception)
+    assert not (tmp_path / "x.npy").exists()
+
+
 @pytest.mark.parametrize("sync", [False, True])
 def test_decode_several_files_back_to_back(tmp_path, wan_folder, sync):
     import numpy as np

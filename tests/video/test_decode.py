@@ -204,8 +204,8 @@ def _one_chunk_short(monkeypatch):
 
     real = decode_mod.decode_chunks
 
-    def short(vae, z, mode="eager"):
-        chunks = list(real(vae, z, mode=mode))
+    def short(vae, z, mode="eager", devices=None):
+        chunks = list(real(vae, z, mode=mode, devices=devices))
         return iter(chunks[:-1])  # 9 of 13 frames
 
     monkeypatch.setattr(decode_mod, "decode_chunks", short)

@@ -12,7 +12,7 @@ pytest.importorskip("diffusers")
 from diffusers.models.autoencoders import autoencoder_kl_wan as wan_module
 from test_wan import _BUILDERS, _latents, _reference
 
-from nostall.errors import ArgumentError
+from nostall.errors import ArgumentError, DeviceError
 from nostall.video import exact as exact_mod
 from nostall.video.exact import ExactDecoder, ExactState, unsupported_reason
 from nostall.video.kernels import rms_silu_into
@@ -79,7 +79,7 @@ def test_state_is_released_at_the_end_and_early_stop(vae, monkeypatch):
     assert states[1].history  # mid-video: the cached frames are there
     gen.close()
     for s in states:
-        assert not s.history and s.flat is None and not s.started
+        assert not s.history and not s.flat and not s.started
 
 
 def test_unknown_mode_is_an_argument_error(vae):
@@ -131,4 +131,79 @@ def test_exact_decoder_module_reuses_the_vae_weights(vae):
     before = {n: p.data_ptr() for n, p in vae.named_parameters()}
     list(decode_chunks(vae, _latents(vae, t=2), mode="exact"))
     assert {n: p.data_ptr() for n, p in vae.named_parameters()} == before
-    assert exact_mod.ExactState().flat is None
+    assert exact_mod.ExactState().flat == {}
+
+
+# ---- several devices: a pipeline of stages (CPU standing in for the GPUs) ----------
+
+
+def _decode_split(vae, z, stages):
+    from nostall.video.wan import _WanInternals
+
+    internals = _WanInternals(vae, mode="exact")
+    devices = [torch.device("cpu")] * stages
+    internals._exact = ExactDecoder(vae.decoder, wan_module, devices=devices)
+    state = internals.new_cache()
+    x = vae.post_quant_conv(z)
+    with torch.no_grad():
+        return torch.cat(
+            [
+                internals.decode_frame(x[:, :, i : i + 1], state, first=i == 0)
+                for i in range(z.shape[2])
+            ],
+            2,
+        ), internals._exact
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_stages_give_the_one_device_bits(vae, stages):
+    z = _latents(vae, t=3)
+    out, dec = _decode_split(vae, z, stages)
+    assert len(dec.stages) == stages
+    assert torch.equal(out, _reference(vae, z))
+    # the later stages run copies of the user's modules, the first the user's own
+    own = {id(m) for m in vae.decoder.modules()}
+    assert all(id(m) in own for _, m in dec.stages[0][1])
+    for _, part in dec.stages[1:]:
+        for _, m in part:
+            assert not any(id(x) in own for x in m.modules())
+
+
+def test_split_points_balance_the_work_of_a_wan21_decoder():
+    from diffusers import AutoencoderKLWan
+
+    with torch.device("meta"):
+        vae = AutoencoderKLWan()  # the real Wan 2.1 layout, no memory
+    steps = exact_mod._steps(vae.decoder, wan_module)
+    costs = exact_mod._step_costs(vae.decoder, wan_module)
+    assert len(costs) == 1 + len(steps)
+    (cut,) = exact_mod.split_points(vae.decoder, wan_module, 2)
+    loads = [sum(costs[: cut + 1]), sum(costs[cut + 1 :])]
+    assert max(loads) / sum(loads) < 0.55
+    # the 720p work (the last up block and the head) is on the second GPU
+    assert all(m is not vae.decoder.up_blocks[-1].resnets[0] for _, m in steps[:cut])
+    three = exact_mod.split_points(vae.decoder, wan_module, 3)
+    assert len(three) == 2 and three[0] < three[1]
+
+
+@pytest.mark.parametrize(
+    "mode, devices, error, says",
+    [
+        ("eager", ["cuda:0", "cuda:1"], ArgumentError, "needs mode='exact'"),
+        ("exact", ["cuda:0"], ArgumentError, "two or more"),
+        ("exact", "cuda:0", ArgumentError, "two or more"),
+        ("exact", ["cpu", "cpu"], DeviceError, "not a CUDA GPU"),
+        ("exact", ["cuda:0", "gpu"], DeviceError, "not a device"),
+    ],
+)
+def test_bad_devices_are_typed_errors_naming_the_device(vae, mode, devices, error, says):
+    with pytest.raises(error, match=says):
+        decode_chunks(vae, _latents(vae), mode=mode, devices=devices)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without GPUs")
+def test_devices_that_do_not_exist_are_named():
+    from nostall.video.wan import check_devices
+
+    with pytest.raises(DeviceError, match=r"cuda:0 does not exist; 0 GPU"):
+        check_devices(["cuda:0", "cuda:1"], None)

@@ -59,3 +59,26 @@ def test_exact_wan22_is_bit_identical(monkeypatch):
         vae = _wan22().to(torch.bfloat16).eval()
         z = torch.randn(1, 48, 3, 44, 80, dtype=torch.bfloat16)  # 704x1280
     _check(vae, z, monkeypatch)
+
+
+def test_two_gpus_give_the_one_gpu_bits(tmp_path):
+    import numpy as np
+
+    from nostall.video import decode_to_file
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    torch.manual_seed(0)
+    with torch.device("cuda:0"):
+        vae = AutoencoderKLWan().to(torch.bfloat16).eval()
+        z = torch.randn(1, 16, 4, 90, 160, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        ref = vae.decode(z).sample
+        chunks = list(decode_chunks(vae, z, mode="exact", devices=["cuda:0", "cuda:1"]))
+    assert {c.device for c in chunks} == {torch.device("cuda:1")}
+    out = torch.cat([c.to("cuda:0") for c in chunks], dim=2)
+    assert int((out != ref).sum()) == 0
+    one = decode_to_file(vae, z, tmp_path / "one.npy", mode="exact")
+    two = decode_to_file(vae, z, tmp_path / "two.npy", mode="exact", devices=["cuda:0", "cuda:1"])
+    assert one.frames == two.frames == 13
+    assert np.array_equal(np.load(tmp_path / "one.npy"), np.load(tmp_path / "two.npy"))

@@ -349,6 +349,12 @@ def decode(
         help="Decoder forward: eager (vae.decoder as is) or exact (bit-identical frames, "
         "fused norm+SiLU, no cat/pad copies).",
     ),
+    devices: str = typer.Option(
+        None,
+        "--devices",
+        help="With --mode exact: GPUs to split the decoder over, the VAE's first "
+        "(cuda:0,cuda:1); frames stay bit-identical.",
+    ),
 ) -> None:
     """Decode Wan latents to video files, chunk by chunk, with a progress bar.
 
@@ -371,6 +377,15 @@ def decode(
 
     if mode not in MODES:
         raise typer.BadParameter(f"choose one of {', '.join(MODES)}", param_hint="--mode")
+    split = [d.strip() for d in devices.split(",") if d.strip()] if devices else None
+    if split is not None and mode != "exact":
+        raise typer.BadParameter("needs --mode exact", param_hint="--devices")
+    if split is not None:
+        from nostall.video.wan import check_devices
+
+        with _option("--devices"):
+            check_devices(split, None)  # before the VAE is read
+        device = device or split[0]
     # Everything about the outputs is checked before the VAE is loaded.
     with _option("-o/--out"):
         targets = output_paths(latents, out, suffix=suffix)
@@ -400,6 +415,7 @@ def decode(
             crf=crf,
             progress=lambda done, total: bar.update(task, completed=done, total=total),
             mode=mode,
+            devices=split,
         )
     wall = time.perf_counter() - t0
     for result in results:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nostall.errors import SinkError
+from nostall.errors import ArgumentError, SinkError
 from nostall.memory.pool import PinnedPool
 from nostall.video.pipeline import (
     AsyncFramePipeline,
@@ -62,6 +62,7 @@ def decode_to_file(
     progress: Progress | None = None,
     pipeline: Any = None,
     mode: str = "eager",
+    devices: Sequence[str | torch.device] | None = None,
 ) -> DecodeResult:
     """Decode Wan ``latents`` chunk by chunk and write the frames to ``path``.
 
@@ -78,7 +79,9 @@ def decode_to_file(
 
     ``mode`` picks the decoder's forward (see :func:`~nostall.video.wan.decode_chunks`):
     ``"eager"`` (``vae.decoder`` as is) or ``"exact"`` (bit-identical frames, fewer
-    passes over memory).
+    passes over memory). ``devices`` (exact only) splits the decoder over two or more
+    GPUs, the VAE's first; the frames leave from the last one (an own pipeline is made
+    there; a given ``pipeline`` must be on it).
 
     ``sync=True`` runs the one-thread baseline (decode, blocking copy, write) instead
     of the asynchronous pipeline. ``pipeline`` reuses an open pipeline (its streams,
@@ -88,14 +91,18 @@ def decode_to_file(
     >>> decode_to_file(vae, z, "out.mp4", fps=16)  # doctest: +SKIP
     DecodeResult(path='out.mp4', frames=81, ...)
     """
-    sink, chunks = _open(vae, latents, path, mode, fps=fps, preset=preset, crf=crf, threads=threads)
+    _check_pipeline_device(pipeline, devices)
+    sink, chunks = _open(
+        vae, latents, path, mode, devices, fps=fps, preset=preset, crf=crf, threads=threads
+    )
     total = frame_count(int(latents.shape[2]))
     own = pipeline is None
     try:
         with sink:  # an exception aborts the sink: nothing under either name
             if own:
                 kind = SyncFramePipeline if sync else AsyncFramePipeline
-                pipeline = kind(device=latents.device, pool=pool)
+                out_device = torch.device(devices[-1]) if devices else latents.device
+                pipeline = kind(device=out_device, pool=pool)
             stats = pipeline.run(chunks, sink, progress=progress)
             # Before close(): a short video must never be renamed into place.
             if stats.frames != total:
@@ -122,6 +129,7 @@ def submit_decode(
     threads: int = 0,
     progress: Progress | None = None,
     mode: str = "eager",
+    devices: Sequence[str | torch.device] | None = None,
 ) -> Future[DecodeResult]:
     """Like :func:`decode_to_file`, but return once the GPU work is launched.
 
@@ -144,7 +152,10 @@ def submit_decode(
             f"pipeline's writer thread), got {type(pipeline).__name__}; use decode_to_file "
             f"for the synchronous baseline"
         )
-    sink, chunks = _open(vae, latents, path, mode, fps=fps, preset=preset, crf=crf, threads=threads)
+    _check_pipeline_device(pipeline, devices)
+    sink, chunks = _open(
+        vae, latents, path, mode, devices, fps=fps, preset=preset, crf=crf, threads=threads
+    )
     total = frame_count(int(latents.shape[2]))
     # The worker checks the count before it closes the sink (see AsyncFramePipeline.submit).
     done = pipeline.submit(chunks, sink, progress=progress, frames=total)
@@ -164,11 +175,24 @@ def submit_decode(
     return result
 
 
+def _check_pipeline_device(pipeline: Any, devices: Sequence | None) -> None:
+    if pipeline is None or not devices:
+        return
+    out = torch.device(devices[-1])
+    got = getattr(pipeline, "device", None)
+    if got is not None and torch.device(got) != out:
+        raise ArgumentError(
+            f"the frames of devices={[str(d) for d in devices]} leave from {out}, but the "
+            f"pipeline given is on {got}; open it with device={str(out)!r}"
+        )
+
+
 def _open(
     vae: AutoencoderKLWan,
     latents: torch.Tensor,
     path: str | os.PathLike,
     mode: str,
+    devices: Sequence[str | torch.device] | None,
     **options: Any,
 ) -> tuple[FrameSink, Iterator[torch.Tensor]]:
     """The sink and the (not yet started) chunk generator, everything checked first."""
@@ -177,7 +201,7 @@ def _open(
         # Checks the VAE and latents now and decodes lazily. The NaN check waits for the
         # GPU; the sink is opened before it so that, back to back, little host work sits
         # between the previous video's last kernel and this one's first.
-        return sink, decode_chunks(vae, latents, mode=mode)
+        return sink, decode_chunks(vae, latents, mode=mode, devices=devices)
     except BaseException:
         sink.abort()
         raise

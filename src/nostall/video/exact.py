@@ -23,6 +23,8 @@ GPU at 720p, Wan 2.1 and 2.2).
 
 from __future__ import annotations
 
+import copy
+import itertools
 import logging
 from typing import Any
 
@@ -48,30 +50,150 @@ class ExactState:
     def __init__(self) -> None:
         self.history: dict[int, torch.Tensor] = {}
         self.started: set[int] = set()
-        self.flat: torch.Tensor | None = None
-        self.layout: tuple | None = None
+        self.flat: dict[torch.device, torch.Tensor] = {}  # per device (one per stage)
+        self.layout: dict[torch.device, tuple] = {}
 
     def buffer(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        """A zero-bordered buffer of ``shape``, viewing the working memory."""
+        """A zero-bordered buffer of ``shape`` on ``like``'s device, viewing the working
+        memory of that device."""
         need = 1
         for n in shape:
             need *= n
-        if self.flat is None or self.flat.numel() < need:
-            self.flat = None  # the old one goes before the new one is taken
-            self.flat = like.new_empty(need)
-            self.layout = None
-        buf = self.flat[:need].view(shape)
+        dev = like.device
+        flat = self.flat.get(dev)
+        if flat is None or flat.numel() < need:
+            self.flat.pop(dev, None)  # the old one goes before the new one is taken
+            flat = self.flat[dev] = like.new_empty(need)
+            self.layout.pop(dev, None)
+        buf = flat[:need].view(shape)
         key = (shape, like.dtype)
-        if self.layout != key:
+        if self.layout.get(dev) != key:
             buf.zero_()  # only interiors and whole history frames are written from now on
-            self.layout = key
+            self.layout[dev] = key
         return buf
 
     def clear(self) -> None:
         self.history.clear()
         self.started.clear()
-        self.flat = None
-        self.layout = None
+        self.flat.clear()
+        self.layout.clear()
+
+
+class _Head(nn.Module):
+    """The decoder's head (``norm_out`` + SiLU + ``conv_out``) as a module of its own."""
+
+    def __init__(self, decoder: nn.Module):
+        super().__init__()
+        self.norm_out, self.conv_out = decoder.norm_out, decoder.conv_out
+
+
+def _copy_to(m: nn.Module, kind: str, dev: torch.device | None) -> nn.Module:
+    """A copy of step ``m`` on ``dev`` (the head: only ``norm_out`` and ``conv_out``)."""
+    src = _Head(m) if kind == "head" else m
+    out = copy.deepcopy(src)
+    return out.to(dev) if dev is not None else out
+
+
+class _Nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _on(dev: torch.device | None):
+    if dev is not None and dev.type == "cuda":
+        return torch.cuda.device(dev)
+    return _Nothing()
+
+
+def _steps(decoder: nn.Module, wan: Any) -> list[tuple[str, nn.Module]]:
+    """The decoder after its middle block as a list of steps a stage boundary may fall
+    between: each residual block and up-sampler of a Wan 2.1 up block, each Wan 2.2 up
+    block whole (its shortcut needs the block's input at its end), then the head."""
+    steps: list[tuple[str, nn.Module]] = []
+    for up in decoder.up_blocks:
+        if isinstance(up, wan.WanResidualUpBlock):
+            steps.append(("up", up))
+            continue
+        steps += [("res", r) for r in up.resnets]
+        if up.upsamplers is not None:
+            steps.append(("resample", up.upsamplers[0]))
+    steps.append(("head", decoder))
+    return steps
+
+
+def split_points(decoder: nn.Module, wan: Any, stages: int) -> list[int]:
+    """Where to cut the decoder's up blocks (and head) into ``stages`` contiguous groups,
+    the first also running ``conv_in`` and the middle block: the cut that makes the most
+    expensive stage cheapest, by the estimated work of a steady-state chunk
+    (:func:`_step_costs`)."""
+    costs = _step_costs(decoder, wan)
+    base, steps = costs[0], costs[1:]
+    if stages < 2:
+        return []
+    n = len(steps)
+    best: tuple[float, list[int]] | None = None
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = [0, *cuts, n]
+        loads = [sum(steps[bounds[k] : bounds[k + 1]]) for k in range(stages)]
+        loads[0] += base
+        worst = max(loads)
+        if best is None or worst < best[0]:
+            best = (worst, list(cuts))
+    return best[1] if best is not None else []
+
+
+# Work per activation element that is not a multiply-accumulate (the fused norm, the
+# buffer copies, residual adds, cuDNN's layout transposes), in MAC equivalents: on the
+# H200 at 720p bf16, exact mode spends 46% of the decoder's device time in conv kernels
+# and 54% elsewhere (bench/diag/vae-ops-exact-f40f06d.json), and the decoder's convs do
+# ~3,500 MACs per input element on average; 0.54 / 0.46 * 3,500 ~ 4,000.
+_ELEMENT_WORK = 4000.0
+
+
+def _step_costs(decoder: nn.Module, wan: Any) -> list[float]:
+    """Relative work per chunk of conv_in + middle, then each of :func:`_steps` (latent
+    area 1): each conv's MACs plus its input's elements times :data:`_ELEMENT_WORK`."""
+
+    def conv(m: nn.Module, area: float, t: float) -> float:
+        if isinstance(m, nn.Conv3d):
+            k = m.kernel_size[0] * m.kernel_size[1] * m.kernel_size[2]
+        elif isinstance(m, nn.Conv2d):
+            k = m.kernel_size[0] * m.kernel_size[1]
+        else:
+            return 0.0
+        return m.in_channels * (m.out_channels * k + _ELEMENT_WORK) * area * t
+
+    def block(m: nn.Module, area: float, t: float) -> float:
+        return sum(conv(c, area, t) for c in m.modules() if isinstance(c, (nn.Conv2d, nn.Conv3d)))
+
+    def resample(m: nn.Module, area: float, t: float) -> tuple[float, float, float]:
+        cost = 0.0
+        if m.mode == "upsample3d":
+            cost += conv(m.time_conv, area, t)
+            t *= 2
+        area *= 4
+        return cost + conv(m.resample[1], area, t), area, t
+
+    area, t = 1.0, 1.0
+    out = [conv(decoder.conv_in, area, t) + block(decoder.mid_block, area, t)]
+    for kind, m in _steps(decoder, wan):
+        if kind == "res":
+            out.append(block(m, area, t))
+        elif kind == "resample":
+            cost, area, t = resample(m, area, t)
+            out.append(cost)
+        elif kind == "up":
+            cost = sum(block(r, area, t) for r in m.resnets)
+            if m.upsampler is not None:
+                more, area, t = resample(m.upsampler, area, t)
+                cost += more
+            out.append(cost)
+        else:
+            out.append(conv(m.conv_out, area, t))
+    return out
 
 
 def unsupported_reason(decoder: nn.Module, wan: Any) -> str | None:
@@ -104,12 +226,45 @@ def unsupported_reason(decoder: nn.Module, wan: Any) -> str | None:
 
 class ExactDecoder:
     """Runs ``decoder`` (diffusers' ``WanDecoder3d``) one latent frame at a time; all
-    state is in the :class:`ExactState` passed to :meth:`forward`."""
+    state is in the :class:`ExactState` passed to :meth:`forward`.
 
-    def __init__(self, decoder: nn.Module, wan: Any, *, fused: bool = True):
+    ``devices`` (two or more) splits the decoder into a pipeline of stages, one per
+    device, cut between up blocks where the estimated work is most even (for Wan 2.1 at
+    any resolution: the last up block and the head on the second GPU, everything before
+    on the first). Chunk ``i``'s second stage runs while chunk ``i + 1``'s first stage
+    does: the launches are asynchronous, and the activation crosses over (NVLink on our
+    machines) once per chunk. Every stage runs the same kernels on the same inputs as
+    one device would, so the frames are bit-identical to one-device ``exact`` (and to
+    ``vae.decode``) on identical GPUs. The later stages' modules are copies of the
+    user's, made when the decoder is built (the user's module stays where it is).
+    """
+
+    def __init__(
+        self,
+        decoder: nn.Module,
+        wan: Any,
+        *,
+        fused: bool = True,
+        devices: list[torch.device] | None = None,
+    ):
         self.decoder = decoder
         self.wan = wan
         self.fused = fused
+        steps = _steps(decoder, wan)
+        cuts = split_points(decoder, wan, len(devices)) if devices and len(devices) > 1 else []
+        # stage k runs steps[bounds[k]:bounds[k + 1]] on devices[k]; stage 0 also conv_in + mid
+        bounds = [0, *cuts, len(steps)]
+        self.stages: list[tuple[torch.device | None, list[tuple[str, nn.Module]]]] = []
+        for k in range(len(bounds) - 1):
+            part = steps[bounds[k] : bounds[k + 1]]
+            dev = devices[k] if devices else None
+            if k > 0:
+                part = [(kind, _copy_to(m, kind, dev)) for kind, m in part]
+            self.stages.append((dev, part))
+
+    @property
+    def output_device(self) -> torch.device | None:
+        return self.stages[-1][0]
 
     def forward(self, x: torch.Tensor, state: ExactState, *, first: bool) -> torch.Tensor:
         d = self.decoder
@@ -120,18 +275,35 @@ class ExactDecoder:
             if attn is not None:
                 x = attn(x)
             x = self._resblock(res, x, state)
-        for up in d.up_blocks:
-            x_in = x
-            for res in up.resnets:
-                x = self._resblock(res, x, state)
-            if isinstance(up, self.wan.WanResidualUpBlock):
-                if up.upsampler is not None:
-                    x = self._resample(up.upsampler, x, state)
-                if up.avg_shortcut is not None:
-                    x = x + up.avg_shortcut(x_in, first_chunk=first)
-            elif up.upsamplers is not None:
-                x = self._resample(up.upsamplers[0], x, state)
-        return self._norm_silu_conv(d.norm_out, d.conv_out, x, state)
+        for k, (dev, part) in enumerate(self.stages):
+            if k > 0:
+                # On the source's stream, ordered both ways with the target's (PyTorch's
+                # cross-device copy): the next chunk's first stage queues behind it.
+                x = x.to(dev, non_blocking=True)
+            with _on(dev):
+                for kind, m in part:
+                    if kind == "res":
+                        x = self._resblock(m, x, state)
+                    elif kind == "resample":
+                        x = self._resample(m, x, state)
+                    elif kind == "up":
+                        x = self._up(m, x, state, first)
+                    else:
+                        x = self._norm_silu_conv(m.norm_out, m.conv_out, x, state)
+        return x
+
+    def _up(self, up: nn.Module, x: torch.Tensor, state: ExactState, first: bool):
+        x_in = x
+        for res in up.resnets:
+            x = self._resblock(res, x, state)
+        if isinstance(up, self.wan.WanResidualUpBlock):
+            if up.upsampler is not None:
+                x = self._resample(up.upsampler, x, state)
+            if up.avg_shortcut is not None:
+                x = x + up.avg_shortcut(x_in, first_chunk=first)
+        elif up.upsamplers is not None:
+            x = self._resample(up.upsamplers[0], x, state)
+        return x
 
     # ---- blocks ------------------------------------------------------------------
 

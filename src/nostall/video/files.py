@@ -30,6 +30,7 @@ from nostall.video.sinks import check_sink_path
 from nostall.video.wan import (
     MODES,
     _latents_stats,
+    check_devices,
     check_latents,
     frame_count,
     vae_placement,
@@ -99,6 +100,7 @@ def decode_files(
     threads: int = 0,
     progress: FilesProgress | None = None,
     mode: str = "eager",
+    devices: Sequence[str | torch.device] | None = None,
 ) -> list[DecodeResult]:
     """Decode each latents file to its output, back to back through one pipeline.
 
@@ -118,7 +120,8 @@ def decode_files(
     Each file is moved to the VAE's device and dtype (:func:`vae_placement`) just
     before its decode. ``sync=True`` uses the one-thread baseline; ``mode`` is the
     decoder's forward (``"eager"`` or ``"exact"``, see
-    :func:`~nostall.video.wan.decode_chunks`). ``progress(done,
+    :func:`~nostall.video.wan.decode_chunks`); ``devices`` splits an exact decoder over
+    two or more GPUs (checked before any file is read). ``progress(done,
     total)`` is called with frame counts once all inputs are checked (``done == 0``)
     and as chunks are launched. Returns one :class:`DecodeResult` per file, in order;
     the first failure is raised after the files already submitted are finished.
@@ -146,6 +149,10 @@ def decode_files(
     _check_distinct(targets, paths)
     if mode not in MODES:
         raise ArgumentError(f"mode={mode!r}; choose one of {', '.join(map(repr, MODES))}")
+    if devices is not None:
+        if mode != "exact":
+            raise ArgumentError(f"devices={list(devices)!r} needs mode='exact', got {mode!r}")
+        devices = check_devices(devices, vae_placement(vae)[0])
     options = {"fps": fps, "preset": preset, "crf": crf, "threads": threads}
     for target in targets:
         check_sink_path(target, **options)
@@ -170,7 +177,8 @@ def decode_files(
     kind = SyncFramePipeline if sync else AsyncFramePipeline
     results: list[DecodeResult] = []
     pending: list[Future[DecodeResult]] = []
-    with kind(device=device) as pipe, torch.inference_mode():
+    out_device = devices[-1] if devices else device
+    with kind(device=out_device) as pipe, torch.inference_mode():
         for i, target in enumerate(targets):
             z = host[i].to(device=device, dtype=dtype)
             if denormalize:
@@ -178,13 +186,27 @@ def decode_files(
             if sync:
                 results.append(
                     decode_to_file(
-                        vae, z, target, pipeline=pipe, progress=advance, mode=mode, **options
+                        vae,
+                        z,
+                        target,
+                        pipeline=pipe,
+                        progress=advance,
+                        mode=mode,
+                        devices=devices,
+                        **options,
                     )
                 )
             else:
                 pending.append(
                     submit_decode(
-                        vae, z, target, pipeline=pipe, progress=advance, mode=mode, **options
+                        vae,
+                        z,
+                        target,
+                        pipeline=pipe,
+                        progress=advance,
+                        mode=mode,
+                        devices=devices,
+                        **options,
                     )
                 )
         # Leaving the with block would wait for them too; result() also raises failures.

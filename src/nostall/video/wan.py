@@ -22,13 +22,13 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nostall.errors import ArgumentError, LatentsError, UnsupportedError
+from nostall.errors import ArgumentError, DeviceError, LatentsError, UnsupportedError
 from nostall.video.exact import ExactDecoder, ExactState, unsupported_reason
 
 if TYPE_CHECKING:
@@ -239,7 +239,11 @@ def _latents_stats(vae: AutoencoderKLWan) -> tuple[list[float], list[float]]:
 
 
 def decode_chunks(
-    vae: AutoencoderKLWan, z: torch.Tensor, *, mode: str = "eager"
+    vae: AutoencoderKLWan,
+    z: torch.Tensor,
+    *,
+    mode: str = "eager",
+    devices: Sequence[str | torch.device] | None = None,
 ) -> Iterator[torch.Tensor]:
     """Decode Wan latents one latent frame at a time, yielding video chunks.
 
@@ -260,6 +264,11 @@ def decode_chunks(
     the same arithmetic, bit-identical frames, fewer passes over memory. A decoder that
     ``exact`` cannot run (a changed diffusers) decodes eagerly, said once in the log.
 
+    ``devices`` (``mode="exact"`` only): two or more CUDA GPUs, the first the one the VAE
+    and the latents are on. The decoder runs as a pipeline of stages, one per GPU (see
+    :class:`~nostall.video.exact.ExactDecoder`): frames bit-identical to one GPU, the
+    chunks on the last GPU.
+
     The latents are checked now (:class:`LatentsError`), not at the first ``next()``.
     Spatial tiling (``vae.enable_tiling()``) that would actually split these latents is
     not supported and raises ``NotImplementedError``: disable tiling for the streaming
@@ -278,7 +287,7 @@ def decode_chunks(
         (1, 3, 4, 480, 832)
         ...
     """
-    internals = _WanInternals(vae, mode=mode)
+    internals = _WanInternals(vae, mode=mode, devices=devices)
     check_latents(vae, z)
     if internals.would_tile(z):
         h, w = z.shape[-2:]
@@ -344,14 +353,57 @@ _TESTED_DIFFUSERS = "0.42.1"
 _WARNED: set[str] = set()
 
 
-def _exact_decoder(decoder: Any, wan_module: ModuleType) -> ExactDecoder | None:
+def check_devices(
+    devices: Sequence[str | torch.device], first: torch.device | None
+) -> list[torch.device]:
+    """``devices`` as distinct, existing CUDA devices, the first being ``first`` (where the
+    VAE is); :class:`DeviceError` / :class:`ArgumentError` naming the one at fault."""
+    if isinstance(devices, (str, torch.device)) or len(devices) < 2:
+        raise ArgumentError(
+            f"devices={devices!r}: give two or more GPUs, e.g. ['cuda:0', 'cuda:1'] (for one "
+            "GPU, leave devices out)"
+        )
+    out: list[torch.device] = []
+    for d in devices:
+        try:
+            dev = torch.device(d)
+        except (RuntimeError, TypeError) as e:
+            raise DeviceError(f"devices: {d!r} is not a device; use 'cuda:N'") from e
+        if dev.type != "cuda" or dev.index is None:
+            raise DeviceError(
+                f"devices: {d!r} is not a CUDA GPU with an index; the decoder's stages run on "
+                "'cuda:N' devices"
+            )
+        if dev in out:
+            raise ArgumentError(f"devices: {dev} is given twice; give each GPU once")
+        out.append(dev)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for dev in out:
+        if dev.index >= count:
+            raise DeviceError(f"devices: {dev} does not exist; {count} GPU(s) visible")
+    if first is not None and out[0] != first:
+        raise ArgumentError(
+            f"devices[0] is {out[0]}, but the VAE is on {first}: the first stage runs where "
+            f"the VAE and the latents are; put {first} first"
+        )
+    return out
+
+
+def _exact_decoder(
+    decoder: Any, wan_module: ModuleType, devices: list[torch.device] | None = None
+) -> ExactDecoder | None:
     why = unsupported_reason(decoder, wan_module)
+    if why is not None and devices:
+        raise UnsupportedError(
+            f"mode='exact' cannot run this decoder ({why}), and only exact splits it over "
+            f"devices={[str(d) for d in devices]}; decode on one GPU"
+        )
     if why is not None:
         if why not in _WARNED:  # once per reason, not once per video
             _WARNED.add(why)
             log.warning("mode='exact' cannot run this decoder (%s); decoding eagerly", why)
         return None
-    return ExactDecoder(decoder, wan_module)
+    return ExactDecoder(decoder, wan_module, devices=devices)
 
 
 def _wan_module() -> ModuleType:
@@ -428,11 +480,22 @@ def _incompatible(what: str) -> UnsupportedError:
 class _WanInternals:
     """Checked access to the private parts of ``AutoencoderKLWan`` that chunking needs."""
 
-    def __init__(self, vae: AutoencoderKLWan, *, mode: str = "eager") -> None:
+    def __init__(
+        self,
+        vae: AutoencoderKLWan,
+        *,
+        mode: str = "eager",
+        devices: Sequence[str | torch.device] | None = None,
+    ) -> None:
         if mode not in MODES:
             raise ArgumentError(
                 f"mode={mode!r}; choose one of {', '.join(map(repr, MODES))} (exact: "
                 "bit-identical frames, faster; eager: vae.decoder as is)"
+            )
+        if devices is not None and mode != "exact":
+            raise ArgumentError(
+                f"devices={list(devices)!r} needs mode='exact' (the mode that splits the "
+                f"decoder over GPUs); got mode={mode!r}"
             )
         wan_module = _wan_module()
         vae = _as_wan(vae)
@@ -466,7 +529,10 @@ class _WanInternals:
         self.mode = mode
         self._exact: ExactDecoder | None = None
         if mode == "exact":
-            self._exact = _exact_decoder(decoder, wan_module)
+            devs = None
+            if devices is not None:
+                devs = check_devices(devices, vae_placement(vae)[0])
+            self._exact = _exact_decoder(decoder, wan_module, devs)
             if self._exact is None:
                 self.mode = "eager"
 
