@@ -17,5 +17,6 @@ for path in sys.argv[2:]:
         parts.append(json.load(f))
 merged = merge_reports(parts)
 write_report(merged, sys.argv[1])
-for t in merged["targets"]:
-    print({True: "met   ", False: "MISSED", None: "      "}[t["met"]], t["target"], t["measured"])
+for name, t in merged["targets"].items():
+    mark = {True: "met   ", False: "MISSED", None: "      "}[t["met"]]
+    print(mark, name, t["value"], t["op"], t["threshold"])

@@ -114,8 +114,12 @@ def test_bench_decode_tiny_on_cpu_writes_json_and_table(tmp_path):
     assert again.exit_code == 2 and "--overwrite" in again.output
     assert json.loads(out.read_text()) == report
     assert set(report["results"]["fp32"]) >= {"decode-only", "sync", "async", "raw_npy"}
-    assert "async" in result.output and "1.02x decode-only" in result.output
+    assert "async" in result.output and "fp32_async_vs_decode_only" in result.output
     assert "back to back" in result.output and "submit_decode" in result.output
+    assert "decoder modes" in result.output and "bit-identical" in result.output
+    assert report["targets"]["exact_fp32_bit_identical_to_vae_decode"]["met"] is True
+    bad = runner.invoke(app, [*args, "--out", str(tmp_path / "x.json"), "--mode", "turbo"])
+    assert bad.exit_code == 2 and "exact" in bad.output
 
 
 def test_bench_decode_memory_only_needs_cuda(tmp_path):

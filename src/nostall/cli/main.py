@@ -453,14 +453,37 @@ def bench_decode(
         help="Sections to run (repeatable): timed, memory (CUDA), back-to-back. Default: all.",
     ),
     back_to_back: int = typer.Option(3, help="Videos in a row for the back-to-back section."),
+    mode: list[str] = typer.Option(  # noqa: B008
+        None,
+        "--mode",
+        help="Decoder modes for the modes section (repeatable): eager, exact. Default: both.",
+    ),
+    devices: str = typer.Option(
+        None, "--devices", help="Modes section: also exact split over these GPUs (cuda:0,cuda:1)."
+    ),
 ) -> None:
-    """Wan VAE decode: sync vs async vs decode-only, writing real MP4s; utilisation and memory."""
-    from nostall.bench.decode import PARTS, run_decode_bench
+    """Wan VAE decode: sync vs async vs decode-only, writing real MP4s; utilisation and
+    memory; the decoder modes (eager, exact; over several GPUs) against each other."""
+    from nostall.bench.decode import DECODER_MODES, PARTS, run_decode_bench
     from nostall.bench.load import check_new_output, write_report
 
     dtypes = tuple(dtype) if dtype else ("bf16", "fp32")
     parts = tuple(part) if part else PARTS
     device = device or _default_device()
+    modes = tuple(mode) if mode else DECODER_MODES
+    bad = [m for m in modes if m not in DECODER_MODES]
+    if bad:
+        raise typer.BadParameter(f"{bad}; choose from {list(DECODER_MODES)}", param_hint="--mode")
+    split = tuple(d.strip() for d in devices.split(",") if d.strip()) if devices else None
+    if split:
+        from nostall.transfer.loader import resolve_device
+        from nostall.video.wan import check_devices
+
+        with _option("--devices"):
+            first = resolve_device(device) if device.startswith("cuda") else None
+            check_devices(split, first)
+            if "modes" not in parts:
+                raise ArgumentError("--devices is measured in the modes part; add --part modes")
     with _option("--out"):
         check_new_output(out, overwrite=overwrite)
     if figure and "timed" in parts and device.startswith("cuda"):  # drawn from CUDA profiles
@@ -478,6 +501,8 @@ def bench_decode(
         figure=figure,
         parts=parts,
         back_to_back=back_to_back,
+        modes=modes,
+        devices=split,
         log=lambda s: console.print(s, highlight=False),
     )
     with _option("--out"):
@@ -522,10 +547,48 @@ def bench_decode(
                 f"{r['submit_per_video_s']:.3f} ({r['submit_vs_decode_only']:.3f}x)",
             )
         console.print(bt)
-    for t in report["targets"]:
-        mark = {True: "[green]met[/green]", False: "[red]MISSED[/red]", None: "·"}[t["met"]]
-        console.print(f"{mark}  {t['target']}: {t['measured']}")
+    by_mode = {n: r["modes"] for n, r in report["results"].items() if "modes" in r}
+    if by_mode:
+        mt = Table(title="decoder modes: seconds per video (mean)")
+        for col in ("dtype", "mode", "first call", "decode-only", "async MP4", "ratio", "peak GiB",
+                    "frames vs eager"):  # fmt: skip
+            mt.add_column(col, justify="left" if col in ("dtype", "mode") else "right")
+        for name, m in by_mode.items():
+            rows = list(m.items())
+            two = report["results"][name].get("devices")
+            if two:
+                rows.append((f"exact x{len(two['devices'])} GPUs", two))
+            for label, r in rows:
+                same = r.get("bit_identical")
+                mt.add_row(
+                    name,
+                    label,
+                    f"{r['first_call_s']:.3f}",
+                    f"{r['decode_only']['mean']:.3f}",
+                    f"{r['async_mp4']['mean']:.3f}",
+                    f"{r['async_mp4']['mean'] / r['decode_only']['mean']:.4f}x",
+                    f"{r['peak_gib']:.3f}" if "peak_gib" in r else "",
+                    ""
+                    if same is None
+                    else ("bit-identical" if same else f"{r['mismatches']} differ"),
+                )
+        console.print(mt)
+    _print_targets(report["targets"])
+    for item in report.get("summary", []):
+        console.print(f"·  {item['what']}: {item['value']}")
     console.print(f"report written to {out}")
+
+
+def _print_targets(targets: dict) -> None:
+    table = Table(title="targets")
+    for col in ("target", "value", "threshold", "met"):
+        table.add_column(col, justify="left" if col == "target" else "right")
+    for name, t in targets.items():
+        v = t["value"]
+        mark = {True: "[green]met[/green]", False: "[red]MISSED[/red]", None: "not run"}[t["met"]]
+        value = "—" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
+        table.add_row(name, value, f"{t['op']} {t['threshold']}", mark)
+    console.print(table)
 
 
 # Commands that live in their own modules (one job per module), registered here.
