@@ -103,6 +103,9 @@ def test_a_decoder_exact_cannot_run_decodes_eagerly_and_says_so_once(vae, caplog
 
 def test_unsupported_reasons_name_the_part(vae):
     assert unsupported_reason(vae.decoder, wan_module) is None
+    vae.decoder.up_blocks[0]._hf_hook = object()  # what accelerate's offload attaches
+    assert "offloaded" in unsupported_reason(vae.decoder, wan_module)
+    del vae.decoder.up_blocks[0]._hf_hook
     norm = next(m for m in vae.decoder.modules() if isinstance(m, wan_module.WanRMS_norm))
     norm.bias = nn.Parameter(torch.zeros(1))
     assert "bias" in unsupported_reason(vae.decoder, wan_module)

@@ -203,6 +203,10 @@ def unsupported_reason(decoder: nn.Module, wan: Any) -> str | None:
     if missing:
         return f"the decoder has no {', '.join(missing)}"
     for m in decoder.modules():
+        if getattr(m, "_hf_hook", None) is not None:
+            # accelerate's offload hooks move weights in on each module call; exact calls
+            # some convs below the module call, where no hook runs
+            return "an accelerate-offloaded decoder (its hooks move weights per call)"
         if isinstance(m, wan.WanRMS_norm):
             if not m.channel_first or not isinstance(m.bias, float) or m.bias != 0.0:
                 return "an RMS norm with a bias or channels last"
