@@ -313,6 +313,46 @@ def time_two_gpus(latent_frames: int) -> dict:
     return row
 
 
+def tune_kernel() -> dict:
+    """Time nostall's fused kernel per (block, num_warps) on the decoder's two largest
+    activations, each result checked bitwise against the eager chain."""
+    from nostall.video import kernels
+
+    out = {}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for label, shape in (
+        ("720p_c96_t4", (1, 96, 4, 720, 1280)),
+        ("360p_c192_t4", (1, 192, 4, 360, 640)),
+    ):
+        x = torch.randn(*shape, device="cuda", generator=g, dtype=torch.bfloat16)
+        C = shape[1]
+        gamma = (1 + 0.1 * torch.randn(C, device="cuda", generator=g)).to(torch.bfloat16)
+        ref = F.silu(
+            F.normalize(x.float(), dim=1).to(x.dtype) * C**0.5 * gamma.view(C, 1, 1, 1) + 0.0
+        )
+        B, _, T, H, W = shape
+        buf = torch.zeros(B, C, T + 2, H + 2, W + 2, dtype=x.dtype, device="cuda")
+        dst = buf[:, :, 2:, 1:-1, 1:-1]
+        norm = kernels.channel_norm(x)
+        rows = {}
+        for block in (256, 512, 1024, 2048):
+            for warps in (2, 4, 8):
+                kernels._launch(x, norm, gamma, C**0.5, dst, block=block, num_warps=warps)
+                same = bool(torch.equal(dst, ref))
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(20):
+                    kernels._launch(x, norm, gamma, C**0.5, dst, block=block, num_warps=warps)
+                torch.cuda.synchronize()
+                ms = (time.perf_counter() - t) / 20 * 1e3
+                rows[f"{block}x{warps}"] = {"ms": ms, "bit_identical": same}
+        gbytes = 2 * x.numel() * x.element_size() / 1e9
+        best = min(rows, key=lambda k: rows[k]["ms"])
+        out[label] = {"configs": rows, "best": best, "bound_ms_at_4tbps": gbytes / 4.0e3 * 1e3}
+        print(label, best, rows[best], flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -320,7 +360,12 @@ def main() -> None:
     p.add_argument("--time", type=int, default=0, help="latent frames for eager vs exact timing")
     p.add_argument("--profile-mode", default=None, help="only profile decode_chunks(mode=...)")
     p.add_argument("--two-gpus", type=int, default=0, help="latent frames: exact on 1 vs 2 GPUs")
+    p.add_argument("--tune-kernel", action="store_true", help="time the fused kernel's configs")
     args = p.parse_args()
+    if args.tune_kernel:
+        with open(args.out, "w") as f:
+            json.dump({"tune_kernel": tune_kernel()}, f, indent=1)
+        return
     if args.two_gpus:
         with open(args.out, "w") as f:
             json.dump({"two_gpus": time_two_gpus(args.two_gpus)}, f, indent=1)

@@ -70,10 +70,12 @@ def rms_silu_into(
 _ROUND = {torch.bfloat16: 0, torch.float32: 2}
 
 
-def _launch(x, norm, gamma, scale, out) -> None:
+def _launch(x, norm, gamma, scale, out, *, block: int = 2048, num_warps: int = 4) -> None:
+    """One program per (b, c, t, h) row and ``block`` columns; ``block``/``num_warps`` are
+    the knobs ``scripts/diag_vae_exact.py --tune-kernel`` measures."""
     B, C, T, H, W = x.shape
     rows = B * C * T * H
-    block = min(2048, triton.next_power_of_2(W))
+    block = min(block, triton.next_power_of_2(W))
     xs, os_ = x.stride(), out.stride()
     _rms_silu[(rows, triton.cdiv(W, block))](
         x, norm, gamma.reshape(-1), out,
@@ -81,7 +83,7 @@ def _launch(x, norm, gamma, scale, out) -> None:
         *xs, *os_,
         norm.stride(0), norm.stride(2), norm.stride(3), norm.stride(4),
         float(scale), _EPS,
-        BLOCK=block, ROUND=_ROUND[x.dtype],
+        BLOCK=block, ROUND=_ROUND[x.dtype], num_warps=num_warps,
     )  # fmt: skip
 
 
