@@ -21,6 +21,7 @@ def test_all_is_exactly_the_public_surface():
         "cache",
         "cli",
         "demo",
+        "quant",
     }
     assert set(nostall.__all__) - {"__version__"} == public
     for name in ("load_state_dict", "load_model", "PinnedPool", "NostallError", "CheckpointError"):

@@ -27,6 +27,7 @@ from nostall.errors import (
     UnsupportedError,
 )
 from nostall.memory.pool import PinnedPool, PoolStats
+from nostall.quant import QuantizeReport, quantize
 from nostall.transfer.loader import Loader, LoadResult, LoadStats
 
 __version__ = "0.1.0"
@@ -49,6 +50,7 @@ __all__ = [
     "PinnedPool",
     "PoolExhausted",
     "PoolStats",
+    "QuantizeReport",
     "ReadError",
     "SinkError",
     "SwitchReport",
@@ -57,4 +59,5 @@ __all__ = [
     "__version__",
     "load_model",
     "load_state_dict",
+    "quantize",
 ]

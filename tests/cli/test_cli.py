@@ -363,3 +363,20 @@ def test_bench_refuses_to_overwrite_a_report(tmp_path, which):
     assert "already exists" in _plain(result.output) and "--overwrite" in result.output
     assert out.read_text() == "recorded"
     assert not folder.exists()  # refused before the benchmark started
+
+
+def test_quantize_command_converts_and_refuses_bad_input(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "in.safetensors"
+    save_file({"lin.weight": torch.randn(32, 16), "norm.weight": torch.ones(16)}, str(src))
+    out = tmp_path / "out.safetensors"
+    result = runner.invoke(app, ["quantize", str(src), str(out)])
+    assert result.exit_code == 0, result.output
+    assert "1 tensors → FP8, 1 kept" in result.output
+    assert load_file(str(out))["lin.weight"].dtype == torch.float8_e4m3fn
+    again = runner.invoke(app, ["quantize", str(src), str(out)])
+    assert again.exit_code == 2 and "--overwrite" in again.output
+    fp8 = runner.invoke(app, ["quantize", str(out), str(tmp_path / "x.safetensors")])
+    assert fp8.exit_code != 0 and "already" in (fp8.output + str(fp8.exception))

@@ -167,6 +167,53 @@ def demo(
 
 
 @app.command()
+def quantize(
+    src: str = typer.Argument(
+        ..., help="A .safetensors file, a shard index, a component or a pipeline folder."
+    ),
+    dst: str = typer.Argument(..., help="Where the FP8 copy goes (same layout and names)."),
+    skip: list[str] = typer.Option(  # noqa: B008
+        None, "--skip", help="Regex of more tensor names to keep in their dtype (repeatable)."
+    ),
+    default_skip: bool = typer.Option(
+        True,
+        "--default-skip/--no-default-skip",
+        help="Keep embeddings and first/last projections in their dtype.",
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output."),
+) -> None:
+    """Convert a checkpoint to FP8 (e4m3 linear weights, a float32 scale per output row),
+    streaming: memory stays at the largest tensor."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from nostall.quant import quantize as run
+
+    with Progress(
+        TextColumn("quantizing"),
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    ) as bar:
+        task = bar.add_task("quantize", total=None)
+        with _option():
+            report = run(
+                src,
+                dst,
+                skip=tuple(skip or ()),
+                default_skip=default_skip,
+                overwrite=overwrite,
+                progress=lambda done, total: bar.update(task, completed=done, total=total),
+            )
+    kept = ", ".join(f"{n} {why}" for why, n in report.kept_reasons.most_common())
+    console.print(
+        f"{report.quantized} tensors → FP8, {report.kept} kept ({kept}); "
+        f"{report.bytes_in / 1e9:.3f} GB → {report.bytes_out / 1e9:.3f} GB "
+        f"({report.ratio:.3f}x) in {len(report.files)} file(s) under {report.destination}"
+    )
+
+
+@app.command()
 def load(
     path: str = typer.Argument(
         ..., help="A .safetensors file, a shard index, or a component folder."
