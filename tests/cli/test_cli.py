@@ -380,3 +380,13 @@ def test_quantize_command_converts_and_refuses_bad_input(tmp_path):
     assert again.exit_code == 2 and "--overwrite" in again.output
     fp8 = runner.invoke(app, ["quantize", str(out), str(tmp_path / "x.safetensors")])
     assert fp8.exit_code != 0 and "already" in (fp8.output + str(fp8.exception))
+
+
+def test_quantize_check_prints_sqnr_per_component(tmp_path):
+    from nostall.bench.stores import write_store
+
+    flux = write_store(tmp_path / "store", ("flux",))["flux"]
+    result = runner.invoke(app, ["quantize", flux, str(tmp_path / "fp8"), "--check"])
+    assert result.exit_code == 0, result.output
+    assert "SQNR" in result.output and "text_encoder_2" in result.output
+    assert "random token ids" in result.output and "per layer only" in result.output
