@@ -94,6 +94,10 @@ def load_model(
     for diffusers, ``architectures`` for transformers). Missing, unexpected and
     mis-shaped tensors are reported together in one :class:`~nostall.ModelMismatchError`.
 
+    FP8 checkpoints (``nostall quantize``'s, or "scaled FP8" files) load as they are:
+    linear weights stay e4m3 with their scales, and compute by upcasting per call
+    (:mod:`nostall.quant.modules`); ``dtype`` casts only the other tensors.
+
     >>> import nostall, torch
     >>> vae = nostall.load_model("sdxl/vae", device="cuda", dtype=torch.float16)  # doctest: +SKIP
     """
@@ -130,9 +134,24 @@ def load_model_with_stats(
     build_s = time.perf_counter() - t0
     # Per-tensor dtypes: the library's own from_pretrained keeps some modules in fp32.
     casts = target_dtypes(module, dtype) if dtype is not None else None
+    fp8 = {e.name for _, e in ckpt.entries() if e.dtype.startswith("F8")}
+    if casts and fp8:
+        # FP8 weights stay FP8 (a plain cast would drop their scales)
+        casts = {k: v for k, v in casts.items() if k not in fp8}
     result = (loader or default_loader()).load(ckpt, device=device, dtype=casts, pool=pool)
     t0 = time.perf_counter()
-    module = adopt(module, result.tensors, strict=strict, path=folder)
+    tensors, scales = result.tensors, {}
+    if fp8:
+        from nostall.quant.modules import install_fp8, split_fp8
+
+        try:
+            tensors, scales = split_fp8(tensors)
+        except CheckpointError as e:
+            e.path = e.path or folder
+            raise
+    module = adopt(module, tensors, strict=strict, path=folder)
+    if scales:
+        install_fp8(module, scales)
     build_s += time.perf_counter() - t0
     stats = dataclasses.replace(
         result.stats, build_s=build_s, total_s=result.stats.total_s + build_s
