@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -264,6 +265,19 @@ def test_a_component_back_at_its_offset_builds_no_views(store, cache, monkeypatc
     assert {x.tier for x in cache.last_report.components} == {"host"}
     assert calls == []
     assert np.array_equal(out, reference(store, "flux"))
+
+
+def test_an_fp8_component_is_refused_with_the_way_out(store, tmp_path):
+    import shutil
+
+    dst = tmp_path / "models"
+    dst.mkdir()
+    nostall.quantize(os.path.join(store, "flux"), dst / "flux8")
+    shutil.copytree(os.path.join(store, "sdxl"), dst / "sdxl")
+    with nostall.ModelCache(dst, device="cpu", gpu_budget=64 * MB, host_budget=64 * MB) as c:
+        with pytest.raises(nostall.UnsupportedError, match="load_model"):
+            c.pipeline("flux8")
+        c.pipeline("sdxl")  # the cache stays usable
 
 
 def test_a_switch_never_walks_the_process_page_tables(store, monkeypatch):

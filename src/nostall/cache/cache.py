@@ -41,7 +41,13 @@ from nostall.cache.modules import Instance, build_instance
 from nostall.cache.pipelines import Assembler
 from nostall.cache.report import ComponentSwitch, SwitchReport
 from nostall.cache.store import ComponentEntry, PipelineEntry, Store
-from nostall.errors import ArgumentError, BudgetExceeded, ClosedError, PoolExhausted
+from nostall.errors import (
+    ArgumentError,
+    BudgetExceeded,
+    ClosedError,
+    PoolExhausted,
+    UnsupportedError,
+)
 from nostall.memory.host import memory_limit
 from nostall.transfer.loader import Loader, resolve_device
 from nostall.transfer.plan import LoadPlan
@@ -462,6 +468,12 @@ class ModelCache:
         plan = self._plans.get(c.digest)
         if plan is not None:
             return plan, 0.0
+        if any(e.dtype.startswith("F8") for _, e in c.checkpoint.entries()):
+            raise UnsupportedError(
+                f"{c.folder}: FP8 weights (nostall quantize's or scaled-FP8) are not served by "
+                "the model cache yet; load this component with nostall.load_model, or keep "
+                "the bf16/fp16 original in the store"
+            )
         t = time.perf_counter()
         insts = self._instances.get(c.arch or c.digest)
         if not insts:
