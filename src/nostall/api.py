@@ -144,14 +144,10 @@ def load_model_with_stats(
     if fp8:
         from nostall.quant.modules import install_fp8, split_fp8
 
-        try:
-            tensors, scales = split_fp8(tensors)
-        except CheckpointError as e:
-            e.path = e.path or folder
-            raise
+        tensors, scales = split_fp8(tensors, path=folder)
     module = adopt(module, tensors, strict=strict, path=folder)
     if scales:
-        install_fp8(module, scales)
+        install_fp8(module, scales, path=folder)
     build_s += time.perf_counter() - t0
     stats = dataclasses.replace(
         result.stats, build_s=build_s, total_s=result.stats.total_s + build_s

@@ -107,3 +107,4 @@ def test_fp8_layouts_it_does_not_know_are_typed_errors(encoders, tmp_path):
         with pytest.raises(CheckpointError, match=says) as e:
             nostall.load_model(dst)
         assert e.value.tensor and name in e.value.tensor
+        assert str(dst) in str(e.value)  # the message names the checkpoint

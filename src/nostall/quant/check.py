@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from nostall.checkpoint import resolve
-from nostall.quant.fp8 import METADATA_KEY, SCALE_SUFFIX, dequantize
+from nostall.quant.fp8 import SCALE_SUFFIX, dequantize
 
 __all__ = ["CheckReport", "check", "sqnr_db"]
 
@@ -102,10 +102,3 @@ def _output_check(src, dequantized: dict[str, torch.Tensor], seed: int):
                 params[name].data = w
         got = model(input_ids=ids)[0].float()
     return sqnr_db(ref, got), f"{type(model).__name__} on random token ids (2 x 16)"
-
-
-def describe(path: str | os.PathLike) -> dict | None:
-    """The scheme recorded in a converted file (``None`` if it was not converted)."""
-    ckpt = resolve(path)
-    meta = ckpt.files[0].metadata.get(METADATA_KEY)
-    return json.loads(meta) if meta else None

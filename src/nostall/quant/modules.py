@@ -35,9 +35,10 @@ _said = False
 
 
 def split_fp8(
-    tensors: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor], *, path: str | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """``(tensors for adopt, weight name → scale)``: scales and markers taken out."""
+    """``(tensors for adopt, weight name → scale)``: scales and markers taken out;
+    errors name ``path`` (the checkpoint) and the tensor."""
     plain = dict(tensors)
     scales: dict[str, torch.Tensor] = {}
     fp8 = [n for n, t in plain.items() if t.dtype in _FP8 and n not in _DROPPED]
@@ -49,12 +50,14 @@ def split_fp8(
             raise CheckpointError(
                 f"FP8 weight {name!r} has no {name + SCALE_SUFFIX!r}: a layout nostall does "
                 "not know (unscaled FP8 would be read wrong)",
+                path=path,
                 tensor=name,
             )
         if not (scale.numel() == 1 or scale.reshape(-1).shape[0] == plain[name].shape[0]):
             raise CheckpointError(
                 f"scale of {name!r} has shape {tuple(scale.shape)}; expected one value or one "
                 f"per output row ({plain[name].shape[0]})",
+                path=path,
                 tensor=name + SCALE_SUFFIX,
             )
         scales[name] = scale
@@ -76,7 +79,9 @@ class _FP8Linear:
 _CLASSES: dict[type, type] = {}
 
 
-def install_fp8(module: nn.Module, scales: Mapping[str, torch.Tensor]) -> int:
+def install_fp8(
+    module: nn.Module, scales: Mapping[str, torch.Tensor], *, path: str | None = None
+) -> int:
     """Give every linear layer whose weight is FP8 its scale and the upcasting forward;
     returns how many. A scale on anything but an ``nn.Linear`` weight is a
     :class:`~nostall.CheckpointError`."""
@@ -88,6 +93,7 @@ def install_fp8(module: nn.Module, scales: Mapping[str, torch.Tensor]) -> int:
             raise CheckpointError(
                 f"FP8 tensor {name!r} is not a linear layer's weight "
                 f"({type(owner).__name__}); nostall computes FP8 in nn.Linear only",
+                path=path,
                 tensor=name,
             )
         owner.register_buffer("weight_scale", scale.float().reshape(-1), persistent=False)
