@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 
 import torch
@@ -259,7 +260,16 @@ def time_modes(latent_frames: int) -> dict:
         z = torch.randn(1, 16, latent_frames, 90, 160, device="cuda", generator=g, dtype=dtype)
         row = {}
         frames = {}
-        for mode in ("eager", "exact"):
+        if dtype != torch.float32:
+            import copy
+
+            vae32 = copy.deepcopy(vae).float()
+            with torch.inference_mode():
+                ref32 = torch.cat(list(decode_chunks(vae32, z.float())), 2)
+            del vae32
+        else:
+            ref32 = None
+        for mode in ("eager", "exact", "fast"):
             with torch.inference_mode():
                 for _ in decode_chunks(vae, z[:, :, :2], mode=mode):
                     pass
@@ -276,8 +286,13 @@ def time_modes(latent_frames: int) -> dict:
                 frames[mode] = torch.cat(chunks, 2)
                 del chunks
         row["speedup"] = row["eager_s"] / row["exact_s"]
+        row["fast_speedup"] = row["eager_s"] / row["fast_s"]
         row["bit_identical"] = bool(torch.equal(frames["eager"], frames["exact"]))
         row["mismatches"] = int((frames["eager"] != frames["exact"]).sum())
+        ref = ref32 if ref32 is not None else frames["eager"]
+        for mode in ("eager", "exact", "fast"):
+            mse = float(((frames[mode].float() - ref.float()) ** 2).mean())
+            row[f"{mode}_psnr_db"] = None if mse == 0 else 10 * math.log10(4.0 / mse)
         out[name] = row
         print(name, row, flush=True)
         del vae, z, frames
@@ -293,7 +308,19 @@ def time_two_gpus(latent_frames: int) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     z = torch.randn(1, 16, latent_frames, 90, 160, device="cuda", generator=g, dtype=torch.bfloat16)
     row, frames = {}, {}
-    for name, devices in (("one", None), ("two", ["cuda:0", "cuda:1"])):
+    from nostall.video import exact as exact_mod
+
+    real_split = exact_mod.split_points
+    chosen = real_split(
+        vae.decoder,
+        __import__("diffusers.models.autoencoders.autoencoder_kl_wan", fromlist=["x"]),
+        2,
+    )[0]
+    runs = [("one", None, None), ("two", ["cuda:0", "cuda:1"], None)]
+    runs += [(f"two_cut{c}", ["cuda:0", "cuda:1"], c) for c in (chosen - 2, chosen - 1, chosen + 1)]
+    row["chosen_cut"] = chosen
+    for name, devices, cut in runs:
+        exact_mod.split_points = (lambda *a, c=cut: [c]) if cut is not None else real_split
         with torch.inference_mode():
             for _ in decode_chunks(vae, z[:, :, :2], mode="exact", devices=devices):
                 pass
@@ -307,6 +334,11 @@ def time_two_gpus(latent_frames: int) -> dict:
                 torch.cuda.synchronize(d)
             row[f"{name}_s"] = time.perf_counter() - t
             frames[name] = torch.cat([c.to("cuda:0") for c in chunks], 2)
+            print(name, row[f"{name}_s"], flush=True)
+    exact_mod.split_points = real_split
+    for name in list(row):
+        if name.startswith("two_cut") and name.endswith("_s"):
+            row[name[:-2] + "_speedup"] = row["one_s"] / row[name]
     row["speedup"] = row["one_s"] / row["two_s"]
     row["bit_identical"] = bool(torch.equal(frames["one"], frames["two"]))
     print("two GPUs", row, flush=True)

@@ -47,17 +47,21 @@ def test_tiny_bench_times_every_mode_on_cpu(tiny_report):
 
 def test_tiny_bench_compares_the_decoder_modes(tiny_report):
     modes = tiny_report["results"]["fp32"]["modes"]
-    assert set(modes) == {"eager", "exact"}
+    assert set(modes) == {"eager", "exact", "fast"}
     for r in modes.values():
         assert r["first_call_s"] > 0 and len(r["decode_only"]["runs"]) == 2
         assert r["async_vs_decode_only"] > 0
     assert modes["exact"]["bit_identical"] is True and modes["exact"]["mismatches"] == 0
+    # fp32 is its own reference: no PSNR for eager; on the CPU fast runs exact (its bits)
+    assert "psnr_db_vs_fp32_eager" not in modes["eager"]
+    assert modes["fast"]["bit_identical"] is True and modes["fast"]["psnr_db_vs_fp32_eager"] is None
     t = tiny_report["targets"]
     assert t["exact_fp32_bit_identical_to_vae_decode"]["met"] is True
     assert t["exact_fp32_speedup_vs_eager"]["value"] > 0
     # measured only with bf16 / fast / two GPUs: reported as not run, never as met
     assert t["exact_bf16_decode_s"]["met"] is None
     assert t["fast_bf16_decode_s"]["met"] is None
+    assert t["fast_bf16_psnr_gap_to_bf16_eager_db"]["met"] is None
     assert t["exact_bf16_two_gpus_speedup_vs_one"]["met"] is None
 
 
@@ -127,3 +131,27 @@ def test_mode_targets_from_measured_figures():
     t = evaluate_targets(_part("bf16", res))
     assert t["exact_bf16_decode_s"]["met"] is False
     assert t["exact_bf16_bit_identical_to_vae_decode"]["met"] is False
+
+
+def _bf16_modes(eager_s, fast_s, eager_db, fast_db, util):
+    mode = lambda s, db: {  # noqa: E731
+        "decode_only": {"mean": s},
+        "psnr_db_vs_fp32_eager": db,
+        "utilisation_async_mp4": {"steady_two_chunks": util},
+    }
+    return _part(
+        "bf16", {"modes": {"eager": mode(eager_s, eager_db), "fast": mode(fast_s, fast_db)}}
+    )
+
+
+def test_fast_targets_read_speed_psnr_gap_and_utilisation():
+    t = evaluate_targets(_bf16_modes(8.0, 3.9, 40.0, 39.6, 0.996))
+    assert t["fast_bf16_decode_s"]["met"] is True
+    assert t["fast_bf16_psnr_gap_to_bf16_eager_db"]["value"] == 0.4
+    assert t["fast_bf16_psnr_gap_to_bf16_eager_db"]["met"] is True
+    assert t["fast_bf16_async_kernel_util_steady"]["met"] is True
+    t = evaluate_targets(_bf16_modes(8.0, 4.5, 40.0, 39.0, 0.99))
+    assert t["fast_bf16_decode_s"]["met"] is False
+    assert t["fast_bf16_speedup_vs_eager"]["met"] is False
+    assert t["fast_bf16_psnr_gap_to_bf16_eager_db"]["met"] is False
+    assert t["eager_bf16_async_kernel_util_steady"]["met"] is False

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -30,13 +32,19 @@ def _wan22():
 
 
 def _check(vae, z, monkeypatch):
-    launches = []
-    real = kernels._launch
+    launches, biases = [], []
+    real, real_bias = kernels._launch, kernels._launch_bias
     monkeypatch.setattr(kernels, "_launch", lambda *a: launches.append(1) or real(*a))
+    monkeypatch.setattr(
+        kernels,
+        "_launch_bias",
+        lambda *a, **k: biases.append(a[2] is not None) or real_bias(*a, **k),
+    )
     with torch.inference_mode():
         ref = vae.decode(z).sample
         out = torch.cat(list(decode_chunks(vae, z, mode="exact")), dim=2)
     assert launches, "the fused kernel did not run"
+    assert any(biases) and not all(biases), "the bias (+ residual) kernel did not run both ways"
     assert out.shape == ref.shape
     mismatches = int((out != ref).sum())
     assert mismatches == 0, f"{mismatches} of {ref.numel()} values differ"
@@ -82,3 +90,62 @@ def test_two_gpus_give_the_one_gpu_bits(tmp_path):
     two = decode_to_file(vae, z, tmp_path / "two.npy", mode="exact", devices=["cuda:0", "cuda:1"])
     assert one.frames == two.frames == 13
     assert np.array_equal(np.load(tmp_path / "one.npy"), np.load(tmp_path / "two.npy"))
+
+
+# ---- fast mode -------------------------------------------------------------------
+
+
+def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    mse = float(((a.float() - b.float()) ** 2).mean())
+    return 10 * math.log10(4.0 / mse)
+
+
+def test_fast_wan21_720p_is_within_half_a_db_of_bf16_eager_and_replays_a_graph(monkeypatch):
+    import copy
+
+    replays = []
+    real = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda g: replays.append(1) or real(g))
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        vae = AutoencoderKLWan().to(torch.bfloat16).eval()
+        z = torch.randn(1, 16, 6, 90, 160, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        eager = vae.decode(z).sample
+        vae32 = copy.deepcopy(vae).float()
+        ref = vae32.decode(z.float()).sample
+        del vae32
+        fast = torch.cat(list(decode_chunks(vae, z, mode="fast")), dim=2)
+    assert fast.shape == eager.shape and fast.dtype == eager.dtype
+    # chunk 0 and 1 run as they are, chunk 2 is captured, chunks 2-5 replay
+    assert len(replays) == 4
+    eager_db, fast_db = _psnr(eager, ref), _psnr(fast, ref)
+    assert fast_db >= eager_db - 0.5, (fast_db, eager_db)
+
+
+def test_fast_recaptures_when_the_chunk_shape_changes():
+    from diffusers.models.autoencoders import autoencoder_kl_wan as wan_module
+
+    from nostall.video.exact import ExactDecoder, ExactState, FastDecoder
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        vae = AutoencoderKLWan().to(torch.bfloat16).eval()
+        z = torch.randn(1, 16, 9, 30, 40, dtype=torch.bfloat16)
+    sizes = [1, 1, 1, 1, 2, 2, 1]  # latent frames per chunk: the shape changes twice
+    with torch.inference_mode():
+        x = vae.post_quant_conv(z)
+        outs, graphs = {}, []
+        for name, dec in (
+            ("exact", ExactDecoder(vae.decoder, wan_module)),
+            ("fast", FastDecoder(vae.decoder, wan_module)),
+        ):
+            state, start, chunks = ExactState(), 0, []
+            for i, n in enumerate(sizes):
+                chunks.append(dec.forward(x[:, :, start : start + n], state, first=i == 0).clone())
+                start += n
+                if name == "fast" and state.graph is not None:
+                    graphs.append(state.graph[0])
+            outs[name] = torch.cat(chunks, 2)
+    assert len({id(g) for g in graphs}) == 2  # captured at 1 frame, again after 2 frames
+    assert _psnr(outs["fast"], outs["exact"]) > 35

@@ -446,8 +446,9 @@ def decode(
     mode: str = typer.Option(
         "eager",
         "--mode",
-        help="Decoder forward: eager (vae.decoder as is) or exact (bit-identical frames, "
-        "fused norm+SiLU, no cat/pad copies).",
+        help="Decoder forward: eager (vae.decoder as is), exact (bit-identical frames, "
+        "fused norm+SiLU, no cat/pad copies) or fast (channels last, CUDA graphs; close "
+        "to eager, not bit-identical; CUDA only, else exact).",
     ),
     devices: str = typer.Option(
         None,
@@ -550,20 +551,21 @@ def bench_decode(
     part: list[str] = typer.Option(  # noqa: B008
         None,
         "--part",
-        help="Sections to run (repeatable): timed, memory (CUDA), back-to-back. Default: all.",
+        help="Sections to run (repeatable): timed, memory (CUDA), back-to-back, modes. Default: all.",
     ),
     back_to_back: int = typer.Option(3, help="Videos in a row for the back-to-back section."),
     mode: list[str] = typer.Option(  # noqa: B008
         None,
         "--mode",
-        help="Decoder modes for the modes section (repeatable): eager, exact. Default: both.",
+        help="Decoder modes for the modes section (repeatable): eager, exact, fast. Default: all.",
     ),
     devices: str = typer.Option(
         None, "--devices", help="Modes section: also exact split over these GPUs (cuda:0,cuda:1)."
     ),
 ) -> None:
     """Wan VAE decode: sync vs async vs decode-only, writing real MP4s; utilisation and
-    memory; the decoder modes (eager, exact; over several GPUs) against each other."""
+    memory; the decoder modes (eager, exact, fast; exact over several GPUs) against each
+    other."""
     from nostall.bench.decode import DECODER_MODES, PARTS, run_decode_bench
     from nostall.bench.load import check_new_output, write_report
 

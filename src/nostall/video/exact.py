@@ -32,9 +32,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nostall.video.kernels import rms_silu_into
+from nostall.video.kernels import (
+    add_bias_,
+    bias_residual,
+    copy_into,
+    rms_silu_cl_into,
+    rms_silu_into,
+    triton_available,
+)
 
-__all__ = ["ExactDecoder", "ExactState", "unsupported_reason"]
+__all__ = ["ExactDecoder", "ExactState", "FastDecoder", "unsupported_reason"]
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +59,16 @@ class ExactState:
         self.started: set[int] = set()
         self.flat: dict[torch.device, torch.Tensor] = {}  # per device (one per stage)
         self.layout: dict[torch.device, tuple] = {}
+        # fast mode: the shape key of the last chunk run eagerly, and the captured graph
+        # (key, graph, static input, static output) that replays the steady chunk
+        self.warm: tuple | None = None
+        self.graph: tuple | None = None
 
-    def buffer(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    def buffer(
+        self, shape: tuple[int, ...], like: torch.Tensor, channels_last: bool = False
+    ) -> torch.Tensor:
         """A zero-bordered buffer of ``shape`` on ``like``'s device, viewing the working
-        memory of that device."""
+        memory of that device (``channels_last``: channels adjacent in memory)."""
         need = 1
         for n in shape:
             need *= n
@@ -65,14 +78,20 @@ class ExactState:
             self.flat.pop(dev, None)  # the old one goes before the new one is taken
             flat = self.flat[dev] = like.new_empty(need)
             self.layout.pop(dev, None)
-        buf = flat[:need].view(shape)
-        key = (shape, like.dtype)
+        if channels_last:
+            b, c, t, h, w = shape
+            buf = flat[:need].view(b, t, h, w, c).permute(0, 4, 1, 2, 3)
+        else:
+            buf = flat[:need].view(shape)
+        key = (shape, like.dtype, channels_last)
         if self.layout.get(dev) != key:
             buf.zero_()  # only interiors and whole history frames are written from now on
             self.layout[dev] = key
         return buf
 
     def clear(self) -> None:
+        self.graph = None
+        self.warm = None
         self.history.clear()
         self.started.clear()
         self.flat.clear()
@@ -313,9 +332,17 @@ class ExactDecoder:
 
     def _resblock(self, r: nn.Module, x: torch.Tensor, state: ExactState) -> torch.Tensor:
         h = r.conv_shortcut(x)  # identity, or a 1x1x1 conv: eager's own call
-        y = self._norm_silu_conv(r.norm1, r.conv1, x, state)
-        y = self._norm_silu_conv(r.norm2, r.conv2, y, state)
-        return y + h
+        if not _bias_apart(x):
+            y = self._norm_silu_conv(r.norm1, r.conv1, x, state)
+            y = self._norm_silu_conv(r.norm2, r.conv2, y, state)
+            return y + h
+        # cuDNN convs have no bias: ATen adds it after the conv, in the output's dtype.
+        # Doing that ourselves is the same arithmetic in fewer passes: conv1's bias in one
+        # vectorised pass, conv2's bias together with the residual add.
+        y = self._norm_silu_conv(r.norm1, r.conv1, x, state, bias=False)
+        add_bias_(y, r.conv1.bias)
+        y = self._norm_silu_conv(r.norm2, r.conv2, y, state, bias=False)
+        return bias_residual(y, r.conv2.bias, h)
 
     def _resample(self, m: nn.Module, x: torch.Tensor, state: ExactState) -> torch.Tensor:
         b, c, t, h, w = x.shape
@@ -345,36 +372,176 @@ class ExactDecoder:
         return frames.view(b, t, *frames.shape[1:]).permute(0, 2, 1, 3, 4)
 
     def _norm_silu_conv(
-        self, norm: nn.Module, conv: nn.Module, x: torch.Tensor, state: ExactState
+        self,
+        norm: nn.Module,
+        conv: nn.Module,
+        x: torch.Tensor,
+        state: ExactState,
+        *,
+        bias: bool = True,
     ) -> torch.Tensor:
         def fill(dst: torch.Tensor) -> None:
             rms_silu_into(x, norm.gamma, norm.scale, dst, fused=self.fused)
 
-        return self._causal(conv, x, state, fill)
+        return self._causal(conv, x, state, fill, bias=bias)
 
-    def _causal(self, conv: nn.Module, x: torch.Tensor, state: ExactState, fill=None):
+    channels_last = False  # the working buffer's layout (fast mode: channels last)
+
+    def _weight(self, conv: nn.Module) -> torch.Tensor:
+        return conv.weight
+
+    def _causal(self, conv: nn.Module, x: torch.Tensor, state: ExactState, fill=None, *, bias=True):
         """``conv(x, cache)`` as WanCausalConv3d computes it, through a padded buffer.
 
         ``fill(dst)`` writes the conv's input frames into ``dst`` (default: a copy of
-        ``x``); the buffer's first two frames are the cached ones, its border is zero."""
+        ``x``); the buffer's first two frames are the cached ones, its border is zero.
+        ``bias=False``: the conv without its bias (the caller adds it)."""
         pw, _, ph, _, pt, _ = conv._padding
         b, _, t, h, w = x.shape
         if pt == 0:  # a 1x1x1 conv: no cache, no padding (eager pads by nothing)
             src = x if fill is None else torch.empty_like(x)
             if fill is not None:
                 fill(src)
-            return nn.Conv3d._conv_forward(conv, src, conv.weight, conv.bias)
+            return nn.Conv3d._conv_forward(
+                conv, src, self._weight(conv), conv.bias if bias else None
+            )
         c = conv.in_channels
-        buf = state.buffer((b, c, pt + t, h + 2 * ph, w + 2 * pw), x)
+        cl = self.channels_last
+        hp, wp = h + 2 * ph, w + 2 * pw
+        buf = state.buffer((b, c, pt + t, hp, wp), x, cl)
         hist = state.history.get(id(conv))
         if hist is None:
-            hist = state.history[id(conv)] = x.new_zeros(b, c, pt, h + 2 * ph, w + 2 * pw)
-        buf[:, :, :pt].copy_(hist)
+            hist = (
+                x.new_zeros(b, pt, hp, wp, c).permute(0, 4, 1, 2, 3)
+                if cl
+                else x.new_zeros(b, c, pt, hp, wp)
+            )
+            state.history[id(conv)] = hist
+        copy_into(buf[:, :, :pt], hist)
         dst = buf[:, :, pt:, ph : ph + h, pw : pw + w]
         if fill is None:
             dst.copy_(x)
         else:
             fill(dst)
-        out = nn.Conv3d._conv_forward(conv, buf, conv.weight, conv.bias)
-        hist.copy_(buf[:, :, t : t + pt])  # the last two frames the conv saw
+        out = nn.Conv3d._conv_forward(conv, buf, self._weight(conv), conv.bias if bias else None)
+        copy_into(hist, buf[:, :, t : t + pt])  # the last two frames the conv saw
         return out
+
+
+def _bias_apart(x: torch.Tensor) -> bool:
+    """Whether this device's convs add their bias after the conv, as cuDNN's do (ATen
+    adds it in a pass of its own), and nostall's kernels can run there."""
+    return x.is_cuda and torch.backends.cudnn.enabled and triton_available(x.device)
+
+
+class FastDecoder(ExactDecoder):
+    """The decoder's ``fast`` mode: exact mode's forward with activations channels last
+    (channels adjacent in memory, which is how cuDNN's convolution kernels read them, so
+    the per-conv layout transposes go), channels-last copies of the conv weights (made
+    here; the user's module is not touched), the norm computed inside the fused kernel
+    with the previous conv's bias added on the way in, and, on CUDA, the steady-state
+    chunk captured once per video as a CUDA graph and replayed for every later chunk
+    (one launch instead of hundreds; the feature cache and working buffer already live
+    at fixed addresses in :class:`ExactState`).
+
+    Frames are not bit-identical to ``vae.decode`` (the conv algorithms and the norm's
+    summation order differ); the bench reports their PSNR against an fp32 decode. One
+    device only."""
+
+    channels_last = True
+
+    def __init__(self, decoder: nn.Module, wan: Any, *, graphs: bool = True):
+        super().__init__(decoder, wan)
+        self.graphs = graphs
+        self._weights: dict[int, torch.Tensor] = {}
+        for m in decoder.modules():
+            if isinstance(m, nn.Conv3d):
+                fmt = torch.channels_last_3d
+            elif isinstance(m, nn.Conv2d):
+                fmt = torch.channels_last
+            else:
+                continue
+            self._weights[id(m)] = m.weight.detach().contiguous(memory_format=fmt)
+
+    def _weight(self, conv: nn.Module) -> torch.Tensor:
+        return self._weights.get(id(conv), conv.weight)
+
+    def forward(self, x: torch.Tensor, state: ExactState, *, first: bool) -> torch.Tensor:
+        if not (self.graphs and x.is_cuda) or first:
+            return self._eager(x, state, first=first)
+        key = (tuple(x.shape), x.dtype, x.device)
+        if state.warm != key:
+            # The first chunk of this shape runs as is: Triton compiles, cuDNN picks its
+            # algorithms, and the buffers reach their steady size before a capture.
+            state.warm, state.graph = key, None
+            return self._eager(x, state, first=False)
+        if state.graph is None:
+            static_in = x.clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = self._eager(static_in, state, first=False)
+            state.graph = (graph, static_in, static_out)
+        graph, static_in, static_out = state.graph
+        static_in.copy_(x)
+        graph.replay()
+        # Read by the caller (unpatchify, clamp) on this stream before the next replay.
+        return static_out
+
+    def _eager(self, x: torch.Tensor, state: ExactState, *, first: bool) -> torch.Tensor:
+        return super().forward(
+            x.contiguous(memory_format=torch.channels_last_3d), state, first=first
+        )
+
+    def _resblock(self, r: nn.Module, x: torch.Tensor, state: ExactState) -> torch.Tensor:
+        if isinstance(r.conv_shortcut, nn.Conv3d):
+            h = self._causal(r.conv_shortcut, x, state)
+        else:
+            h = r.conv_shortcut(x)
+        y = self._norm_silu_conv(r.norm1, r.conv1, x, state, bias=False)
+        y = self._norm_silu_conv(r.norm2, r.conv2, y, state, bias=False, pending=r.conv1.bias)
+        return bias_residual(y, r.conv2.bias, h)
+
+    def _norm_silu_conv(
+        self,
+        norm: nn.Module,
+        conv: nn.Module,
+        x: torch.Tensor,
+        state: ExactState,
+        *,
+        bias: bool = True,
+        pending: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``pending``: the bias of the conv that made ``x``, not yet added."""
+        if not x.is_contiguous(memory_format=torch.channels_last_3d):
+            x = x.contiguous(memory_format=torch.channels_last_3d)
+
+        def fill(dst: torch.Tensor) -> None:
+            rms_silu_cl_into(x, norm.gamma, norm.scale, dst, pending)
+
+        return self._causal(conv, x, state, fill, bias=bias)
+
+    def _resample(self, m: nn.Module, x: torch.Tensor, state: ExactState) -> torch.Tensor:
+        b, c, t, h, w = x.shape
+        if m.mode == "upsample3d" and id(m) in state.started:
+            y = self._causal(m.time_conv, x, state)  # (b, 2c, t, h, w), channels last
+            # frame 2i + k is half k of y's channels at time i, laid out channels last
+            frames = x.new_empty(b, t, 2, h, w, c)
+            frames.copy_(y.view(b, 2, c, t, h, w).permute(0, 3, 1, 4, 5, 2))
+            t *= 2
+            frames = frames.view(b * t, h, w, c).permute(0, 3, 1, 2)
+        else:
+            if m.mode == "upsample3d":
+                state.started.add(id(m))
+            frames = x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
+            frames = frames.contiguous(memory_format=torch.channels_last)
+        up, conv = m.resample[0], m.resample[1]
+        frames = F.interpolate(
+            frames,
+            size=up.size,
+            scale_factor=up.scale_factor,
+            mode=up.mode,
+            align_corners=up.align_corners,
+            recompute_scale_factor=up.recompute_scale_factor,
+        )
+        frames = nn.Conv2d._conv_forward(conv, frames, self._weight(conv), conv.bias)
+        return frames.view(b, t, *frames.shape[1:]).permute(0, 2, 1, 3, 4)

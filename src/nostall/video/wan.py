@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nostall.errors import ArgumentError, DeviceError, LatentsError, UnsupportedError
-from nostall.video.exact import ExactDecoder, ExactState, unsupported_reason
+from nostall.video.exact import ExactDecoder, ExactState, FastDecoder, unsupported_reason
+from nostall.video.kernels import triton_available
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan
@@ -38,7 +39,7 @@ __all__ = ["check_latents", "decode_chunks", "denormalize", "frame_count", "vae_
 
 log = logging.getLogger(__name__)
 
-MODES = ("eager", "exact")
+MODES = ("eager", "exact", "fast")
 
 # Wan VAEs (2.1 and 2.2) compress time 4x: the first latent frame decodes to 1 frame,
 # every later one to 4.
@@ -263,6 +264,10 @@ def decode_chunks(
     the same modules and weights through nostall's forward (see :mod:`nostall.video.exact`):
     the same arithmetic, bit-identical frames, fewer passes over memory. A decoder that
     ``exact`` cannot run (a changed diffusers) decodes eagerly, said once in the log.
+    ``"fast"`` (:class:`~nostall.video.exact.FastDecoder`): exact's forward with
+    channels-last activations and weights, the norm fused further, and the steady chunk
+    replayed as a CUDA graph; frames close to eager's but not bit-identical (the bench
+    reports PSNR). It needs a CUDA GPU and Triton; elsewhere it runs ``exact``, said once.
 
     ``devices`` (``mode="exact"`` only): two or more CUDA GPUs, the first the one the VAE
     and the latents are on. The decoder runs as a pipeline of stages, one per GPU (see
@@ -389,8 +394,29 @@ def check_devices(
     return out
 
 
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:  # once per reason, not once per video
+        _WARNED.add(message)
+        log.warning("%s", message)
+
+
+def _fast_missing(device: torch.device | None) -> str | None:
+    """What ``fast`` mode lacks on ``device`` (``None``: nothing)."""
+    if device is None or device.type != "cuda":
+        return f"a CUDA GPU (the VAE is on {device})"
+    if not triton_available(device):
+        return "Triton (pip install triton)"
+    if not torch.backends.cudnn.enabled:
+        return "cuDNN (torch.backends.cudnn.enabled is False)"
+    return None
+
+
 def _exact_decoder(
-    decoder: Any, wan_module: ModuleType, devices: list[torch.device] | None = None
+    decoder: Any,
+    wan_module: ModuleType,
+    devices: list[torch.device] | None = None,
+    *,
+    fast: bool = False,
 ) -> ExactDecoder | None:
     why = unsupported_reason(decoder, wan_module)
     if why is not None and devices:
@@ -403,6 +429,8 @@ def _exact_decoder(
             _WARNED.add(why)
             log.warning("mode='exact' cannot run this decoder (%s); decoding eagerly", why)
         return None
+    if fast:
+        return FastDecoder(decoder, wan_module)
     return ExactDecoder(decoder, wan_module, devices=devices)
 
 
@@ -528,11 +556,16 @@ class _WanInternals:
         self._cache_slots = sum(isinstance(m, conv) for m in decoder.modules())
         self.mode = mode
         self._exact: ExactDecoder | None = None
-        if mode == "exact":
+        if mode == "fast":
+            missing = _fast_missing(vae_placement(vae)[0])
+            if missing is not None:
+                _warn_once(f"mode='fast' needs {missing}; decoding with mode='exact'")
+                mode = self.mode = "exact"
+        if mode in ("exact", "fast"):
             devs = None
             if devices is not None:
                 devs = check_devices(devices, vae_placement(vae)[0])
-            self._exact = _exact_decoder(decoder, wan_module, devs)
+            self._exact = _exact_decoder(decoder, wan_module, devs, fast=mode == "fast")
             if self._exact is None:
                 self.mode = "eager"
 
