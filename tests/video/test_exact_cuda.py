@@ -149,3 +149,14 @@ def test_fast_recaptures_when_the_chunk_shape_changes():
             outs[name] = torch.cat(chunks, 2)
     assert len({id(g) for g in graphs}) == 2  # captured at 1 frame, again after 2 frames
     assert _psnr(outs["fast"], outs["exact"]) > 35
+
+
+@pytest.mark.parametrize("channels", [96, 192, 384])
+def test_upsample_kernel_equals_interpolate(channels):
+    import torch.nn.functional as F
+
+    x = torch.randn(4, channels, 45, 80, device="cuda", dtype=torch.bfloat16)
+    x = x.contiguous(memory_format=torch.channels_last)
+    out = kernels.upsample2x_cl(x)
+    assert out is not None and out.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(out, F.interpolate(x, scale_factor=2.0, mode="nearest-exact"))

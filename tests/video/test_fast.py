@@ -100,3 +100,10 @@ def test_fast_over_devices_is_an_argument_error(vae):
 def test_fast_missing_names_what_is_missing():
     assert "CUDA GPU" in wan_mod._fast_missing(torch.device("cpu"))
     assert "CUDA GPU" in wan_mod._fast_missing(None)
+
+
+def test_fast_restores_the_cudnn_benchmark_flag(vae, monkeypatch):
+    _force_fast(monkeypatch)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    list(decode_chunks(vae, _latents(vae, t=2), mode="fast"))
+    assert torch.backends.cudnn.benchmark is False

@@ -66,3 +66,20 @@ def test_channels_last_norm_with_a_pending_bias_matches_the_eager_chain():
     xb = x + b.view(1, -1, 1, 1, 1)
     ref = F.silu(F.normalize(xb, dim=1) * 6**0.5 * gamma.view(-1, 1, 1, 1))
     torch.testing.assert_close(out, ref)
+
+
+def test_nearest_2x_is_recognised_only_for_doubling():
+    import torch.nn as nn
+
+    from nostall.video.exact import _nearest_2x
+
+    assert _nearest_2x(nn.Upsample(scale_factor=(2.0, 2.0), mode="nearest-exact"))
+    assert _nearest_2x(nn.Upsample(scale_factor=2, mode="nearest"))
+    assert not _nearest_2x(nn.Upsample(scale_factor=(2.0, 2.0), mode="bilinear"))
+    assert not _nearest_2x(nn.Upsample(scale_factor=3, mode="nearest"))
+    assert not _nearest_2x(nn.Upsample(size=(4, 4), mode="nearest"))
+
+
+def test_upsample_kernel_declines_where_it_cannot_run():
+    x = torch.randn(1, 3, 2, 2).contiguous(memory_format=torch.channels_last)
+    assert kernels.upsample2x_cl(x) is None  # CPU: the caller interpolates

@@ -653,7 +653,7 @@ def bench_decode(
     if by_mode:
         mt = Table(title="decoder modes: seconds per video (mean)")
         for col in ("dtype", "mode", "first call", "decode-only", "async MP4", "ratio", "peak GiB",
-                    "frames vs eager"):  # fmt: skip
+                    "frames vs eager", "PSNR vs fp32", "busy"):  # fmt: skip
             mt.add_column(col, justify="left" if col in ("dtype", "mode") else "right")
         for name, m in by_mode.items():
             rows = list(m.items())
@@ -662,6 +662,8 @@ def bench_decode(
                 rows.append((f"exact x{len(two['devices'])} GPUs", two))
             for label, r in rows:
                 same = r.get("bit_identical")
+                db = r.get("psnr_db_vs_fp32_eager", "")
+                busy = (r.get("utilisation_async_mp4") or {}).get("steady_two_chunks")
                 mt.add_row(
                     name,
                     label,
@@ -673,6 +675,8 @@ def bench_decode(
                     ""
                     if same is None
                     else ("bit-identical" if same else f"{r['mismatches']} differ"),
+                    "same" if db is None else (f"{db:.2f} dB" if db != "" else ""),
+                    f"{busy:.2%}" if busy is not None else "",
                 )
         console.print(mt)
     _print_targets(report["targets"])

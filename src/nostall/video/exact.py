@@ -39,6 +39,7 @@ from nostall.video.kernels import (
     rms_silu_cl_into,
     rms_silu_into,
     triton_available,
+    upsample2x_cl,
 )
 
 __all__ = ["ExactDecoder", "ExactState", "FastDecoder", "unsupported_reason"]
@@ -165,11 +166,14 @@ def split_points(decoder: nn.Module, wan: Any, stages: int) -> list[int]:
 
 
 # Work per activation element that is not a multiply-accumulate (the fused norm, the
-# buffer copies, residual adds, cuDNN's layout transposes), in MAC equivalents: on the
-# H200 at 720p bf16, exact mode spends 46% of the decoder's device time in conv kernels
-# and 54% elsewhere (bench/diag/vae-ops-exact-f40f06d.json), and the decoder's convs do
-# ~3,500 MACs per input element on average; 0.54 / 0.46 * 3,500 ~ 4,000.
-_ELEMENT_WORK = 4000.0
+# buffer copies, bias and residual adds, cuDNN's layout transposes), in MAC
+# equivalents, calibrated on the H200 (720p bf16, 21 latent frames, exact over two
+# GPUs): cutting after step 9, 10, 11 or 12 took 2.14, 1.92, 1.71 and 1.60 s
+# (bench/diag/vae-exact-two-gpus-045851d.json). At 4,000 (the op profile's estimate)
+# the model chose 11; the full-resolution steps weigh more than their MACs say (their
+# convs run a slower cuDNN kernel and their element passes are the largest), and 8,000
+# is the value at which it chooses the measured best, 12.
+_ELEMENT_WORK = 8000.0
 
 
 def _step_costs(decoder: nn.Module, wan: Any) -> list[float]:
@@ -467,6 +471,19 @@ class FastDecoder(ExactDecoder):
         return self._weights.get(id(conv), conv.weight)
 
     def forward(self, x: torch.Tensor, state: ExactState, *, first: bool) -> torch.Tensor:
+        # cuDNN's heuristics give the 96-channel 720p convs a Hopper-less kernel; letting
+        # it time its algorithms (once per shape per process, in the first chunks, before
+        # any capture) is part of what fast trades for not being bit-identical.
+        # (Only this flag: cudnn.flags() would reset the others, TF32 among them.)
+        cudnn = torch.backends.cudnn
+        before = cudnn.benchmark
+        cudnn.benchmark = True
+        try:
+            return self._forward(x, state, first=first)
+        finally:
+            cudnn.benchmark = before
+
+    def _forward(self, x: torch.Tensor, state: ExactState, *, first: bool) -> torch.Tensor:
         if not (self.graphs and x.is_cuda) or first:
             return self._eager(x, state, first=first)
         key = (tuple(x.shape), x.dtype, x.device)
@@ -535,13 +552,24 @@ class FastDecoder(ExactDecoder):
             frames = x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
             frames = frames.contiguous(memory_format=torch.channels_last)
         up, conv = m.resample[0], m.resample[1]
-        frames = F.interpolate(
-            frames,
-            size=up.size,
-            scale_factor=up.scale_factor,
-            mode=up.mode,
-            align_corners=up.align_corners,
-            recompute_scale_factor=up.recompute_scale_factor,
-        )
-        frames = nn.Conv2d._conv_forward(conv, frames, self._weight(conv), conv.bias)
+        doubled = upsample2x_cl(frames) if _nearest_2x(up) else None
+        if doubled is None:
+            doubled = F.interpolate(
+                frames,
+                size=up.size,
+                scale_factor=up.scale_factor,
+                mode=up.mode,
+                align_corners=up.align_corners,
+                recompute_scale_factor=up.recompute_scale_factor,
+            )
+        frames = nn.Conv2d._conv_forward(conv, doubled, self._weight(conv), conv.bias)
         return frames.view(b, t, *frames.shape[1:]).permute(0, 2, 1, 3, 4)
+
+
+def _nearest_2x(up: nn.Module) -> bool:
+    """Whether ``up`` (an ``nn.Upsample``) doubles each side by nearest neighbour."""
+    factor = up.scale_factor
+    if isinstance(factor, (tuple, list)):
+        factor = tuple(float(f) for f in factor)
+    two = factor in (2.0, (2.0, 2.0))
+    return up.size is None and two and up.mode in ("nearest", "nearest-exact")
