@@ -103,12 +103,14 @@ def run_demo(
         return rows, size
 
 
-def run_video_demo(*, device: str, path: str) -> tuple[str, object]:
+def run_video_demo(*, device: str, path: str) -> tuple[str, object, list]:
     """Decode random latents with a random-weight Wan VAE into ``path`` (async pipeline).
 
     On a GPU this is the real Wan 2.1 VAE architecture (diffusers ``AutoencoderKLWan()``
     defaults) at 832x480, 17 frames; on a CPU a narrow copy of it at 128x96.
-    Returns a description of the VAE and the :class:`~nostall.video.DecodeResult`.
+    Then the same latents through each decoder mode (:func:`_decoder_modes`).
+    Returns a description of the VAE, the :class:`~nostall.video.DecodeResult` and the
+    modes' rows.
     """
     from diffusers import AutoencoderKLWan
 
@@ -127,7 +129,44 @@ def run_video_demo(*, device: str, path: str) -> tuple[str, object]:
     z = torch.randn(shape, generator=g, device=dev).to(next(vae.parameters()).dtype)
     with torch.inference_mode():
         result = decode_to_file(vae, z, path, fps=16)
-    return what, result
+        modes = _decoder_modes(vae, z, dev)
+    return what, result, modes
+
+
+def _decoder_modes(vae, z, dev: torch.device) -> list[tuple[str, float, str]]:
+    """The same latents through each decoder mode: (mode, seconds, frames against eager's).
+    ``exact`` must give eager's bits; ``fast`` (CUDA; elsewhere it runs exact) is
+    compared by PSNR."""
+    import math
+
+    from nostall.video import decode_chunks
+    from nostall.video.wan import _fast_missing
+
+    def decode(mode: str) -> tuple[float, torch.Tensor]:
+        for _ in decode_chunks(vae, z[:, :, :2], mode=mode):  # warm: kernels, algorithms
+            pass
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t = time.perf_counter()
+        frames = torch.cat(list(decode_chunks(vae, z, mode=mode)), 2)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - t, frames
+
+    rows = []
+    eager_s, ref = decode("eager")
+    rows.append(("eager", eager_s, "reference"))
+    for mode in ("exact", "fast"):
+        s, frames = decode(mode)
+        if torch.equal(frames, ref):
+            same = "bit-identical"
+        else:
+            mse = float(((frames.float() - ref.float()) ** 2).mean())
+            same = f"PSNR {10 * math.log10(4.0 / mse):.1f} dB"
+        if mode == "fast" and _fast_missing(dev) is not None:
+            mode = "fast (ran exact: no CUDA)"
+        rows.append((mode, s, same))
+    return rows
 
 
 def run_switch_demo(*, device: str, folder: str | None = None) -> tuple[list, bool]:

@@ -157,13 +157,17 @@ def demo(
     if video:
         from nostall.demo import run_video_demo
 
-        what, result = run_video_demo(device=device, path=video)
+        what, result, modes = run_video_demo(device=device, path=video)
         s = result.stats
         console.print(
             f"Video: {what} → {result.path}: {result.frames} frames in {s.wall_s:.2f} s "
             f"({result.frames / s.wall_s:.1f} frames/s; the writer thread was busy {s.write_s:.2f} s "
             f"beside the decode)"
         )
+        for mode, seconds, same in modes:
+            console.print(f"  decoder mode {mode}: {seconds:.3f} s, frames {same}")
+        if modes and not any(m == "exact" and same == "bit-identical" for m, _, same in modes):
+            raise typer.Exit(1)  # exact mode must give vae.decode's bits
 
 
 @app.command()

@@ -335,7 +335,10 @@ class ExactDecoder:
     # ---- blocks ------------------------------------------------------------------
 
     def _resblock(self, r: nn.Module, x: torch.Tensor, state: ExactState) -> torch.Tensor:
-        h = r.conv_shortcut(x)  # identity, or a 1x1x1 conv: eager's own call
+        if isinstance(r.conv_shortcut, nn.Conv3d) and _bias_apart(x):
+            h = self._causal(r.conv_shortcut, x, state)  # 1x1x1: the conv, then its bias
+        else:
+            h = r.conv_shortcut(x)  # identity, or eager's own call
         if not _bias_apart(x):
             y = self._norm_silu_conv(r.norm1, r.conv1, x, state)
             y = self._norm_silu_conv(r.norm2, r.conv2, y, state)
@@ -372,8 +375,13 @@ class ExactDecoder:
             align_corners=up.align_corners,
             recompute_scale_factor=up.recompute_scale_factor,
         )
-        frames = conv(frames)
+        frames = self._conv2d(conv, frames)
         return frames.view(b, t, *frames.shape[1:]).permute(0, 2, 1, 3, 4)
+
+    def _conv2d(self, conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not _bias_apart(x):
+            return conv(x)
+        return add_bias_(nn.Conv2d._conv_forward(conv, x, self._weight(conv), None), conv.bias)
 
     def _norm_silu_conv(
         self,
@@ -406,9 +414,7 @@ class ExactDecoder:
             src = x if fill is None else torch.empty_like(x)
             if fill is not None:
                 fill(src)
-            return nn.Conv3d._conv_forward(
-                conv, src, self._weight(conv), conv.bias if bias else None
-            )
+            return self._conv3d(conv, src, bias)
         c = conv.in_channels
         cl = self.channels_last
         hp, wp = h + 2 * ph, w + 2 * pw
@@ -427,9 +433,18 @@ class ExactDecoder:
             dst.copy_(x)
         else:
             fill(dst)
-        out = nn.Conv3d._conv_forward(conv, buf, self._weight(conv), conv.bias if bias else None)
+        out = self._conv3d(conv, buf, bias)
         copy_into(hist, buf[:, :, t : t + pt])  # the last two frames the conv saw
         return out
+
+    def _conv3d(self, conv: nn.Module, x: torch.Tensor, bias: bool) -> torch.Tensor:
+        """The conv (``bias``: with its bias; where cuDNN runs it, added by our kernel in
+        the pass ATen would make: the same arithmetic, vectorised)."""
+        if not bias:
+            return nn.Conv3d._conv_forward(conv, x, self._weight(conv), None)
+        if not _bias_apart(x):
+            return nn.Conv3d._conv_forward(conv, x, self._weight(conv), conv.bias)
+        return add_bias_(nn.Conv3d._conv_forward(conv, x, self._weight(conv), None), conv.bias)
 
 
 def _bias_apart(x: torch.Tensor) -> bool:
@@ -562,7 +577,7 @@ class FastDecoder(ExactDecoder):
                 align_corners=up.align_corners,
                 recompute_scale_factor=up.recompute_scale_factor,
             )
-        frames = nn.Conv2d._conv_forward(conv, doubled, self._weight(conv), conv.bias)
+        frames = self._conv2d(conv, doubled)
         return frames.view(b, t, *frames.shape[1:]).permute(0, 2, 1, 3, 4)
 
 

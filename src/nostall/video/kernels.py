@@ -115,7 +115,11 @@ def _dense_like(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _dense(a: torch.Tensor) -> bool:
-    return a.is_contiguous() or a.is_contiguous(memory_format=torch.channels_last_3d)
+    """One dense block, channels first or (4-D/5-D) channels last."""
+    if a.is_contiguous():
+        return True
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(a.dim())
+    return fmt is not None and a.is_contiguous(memory_format=fmt)
 
 
 def _channel_step(y: torch.Tensor) -> int:
