@@ -142,9 +142,10 @@ def load_model_with_stats(
     t0 = time.perf_counter()
     tensors, scales = result.tensors, {}
     if fp8:
-        from nostall.quant.modules import install_fp8, split_fp8
+        from nostall.quant.modules import install_fp8, prepare_fp8
 
-        tensors, scales = split_fp8(tensors, path=folder)
+        metadata = {k: v for f in ckpt.files for k, v in f.metadata.items()}
+        tensors, scales = prepare_fp8(tensors, metadata, path=folder)
     module = adopt(module, tensors, strict=strict, path=folder)
     if scales:
         install_fp8(module, scales, path=folder)

@@ -267,17 +267,66 @@ def test_a_component_back_at_its_offset_builds_no_views(store, cache, monkeypatc
     assert np.array_equal(out, reference(store, "flux"))
 
 
-def test_an_fp8_component_is_refused_with_the_way_out(store, tmp_path):
+def _fp8_reference(folder, name):
+    """The FP8 pipeline as nostall.load_model builds each FP8 component (upcast on CPU)."""
+    from diffusers import DiffusionPipeline
+
+    from nostall.checkpoint import resolve
+
+    parts = {}
+    for sub in sorted(os.listdir(folder)):
+        path = os.path.join(folder, sub)
+        try:
+            ckpt = resolve(path)
+        except Exception:
+            continue
+        if any(e.dtype.startswith("F8") for _, e in ckpt.entries()):
+            parts[sub] = nostall.load_model(path)
+    pipe = DiffusionPipeline.from_pretrained(str(folder), **parts)
+    pipe.set_progress_bar_config(disable=True)
+    return run(pipe, name), set(parts)
+
+
+@pytest.mark.parametrize("compute", ["upcast", "tensor-cores"])
+def test_an_fp8_pipeline_is_served_as_load_model_builds_it(store, tmp_path, compute, monkeypatch):
     import shutil
+
+    import torch
+
+    from nostall.quant import modules as quant_modules
+
+    if compute == "tensor-cores":  # the CPU's _scaled_mm stands in for a capable GPU's
+        pytest.importorskip("torchao")
+    monkeypatch.setattr(quant_modules, "fp8_compute", lambda device: (compute, "test"))
 
     dst = tmp_path / "models"
     dst.mkdir()
     nostall.quantize(os.path.join(store, "flux"), dst / "flux8")
     shutil.copytree(os.path.join(store, "sdxl"), dst / "sdxl")
-    with nostall.ModelCache(dst, device="cpu", gpu_budget=64 * MB, host_budget=64 * MB) as c:
-        with pytest.raises(nostall.UnsupportedError, match="load_model"):
-            c.pipeline("flux8")
-        c.pipeline("sdxl")  # the cache stays usable
+    ref, fp8_parts = _fp8_reference(dst / "flux8", "flux")
+    assert "transformer" in fp8_parts
+    # room for one pipeline at a time: every switch evicts, so flux8 is re-bound
+    with nostall.ModelCache(dst, device="cpu", gpu_budget=2 * MB, host_budget=64 * MB) as c:
+        for name in ("flux8", "sdxl", "flux8", "flux8"):
+            with c.use(name) as pipe:
+                out = run(pipe, "flux" if name == "flux8" else name)
+                if name == "flux8":
+                    assert np.array_equal(out, ref)
+                    w = pipe.transformer.transformer_blocks[0].attn.to_q.weight
+                    if compute == "upcast":
+                        assert w.dtype == torch.float8_e4m3fn
+                    else:
+                        assert w.qdata.dtype == torch.float8_e4m3fn
+                else:
+                    assert np.array_equal(out, reference(store, "sdxl"))
+        tiers = [{x.tier for x in r.components} for r in c.reports]
+        assert "host" in tiers[2]  # flux8 came back from the host tier (rebound)
+        sizes = {x.role: x.nbytes for x in c.reports[0].components}
+    bf16 = nostall.ModelCache(store, device="cpu", gpu_budget=64 * MB, host_budget=64 * MB)
+    with bf16:
+        bf16.pipeline("flux")
+        full = {x.role: x.nbytes for x in bf16.reports[0].components}
+    assert sizes["transformer"] < 0.6 * full["transformer"]
 
 
 def test_a_switch_never_walks_the_process_page_tables(store, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -42,7 +43,7 @@ def test_a_converted_encoder_loads_fp8_and_computes_close(encoders, tmp_path, co
     src, dst = encoders[component], tmp_path / component
     report = nostall.quantize(src, dst)
     ref = nostall.load_model(src)
-    modules_mod._said = False
+    modules_mod._said.clear()
     with caplog.at_level(logging.INFO, logger="nostall.quant.modules"):
         fp8 = nostall.load_model(dst)
         nostall.load_model(dst)
@@ -108,3 +109,126 @@ def test_fp8_layouts_it_does_not_know_are_typed_errors(encoders, tmp_path):
             nostall.load_model(dst)
         assert e.value.tensor and name in e.value.tensor
         assert str(dst) in str(e.value)  # the message names the checkpoint
+
+
+# ---- FP8 tensor cores (torchao Float8Tensor over the loaded bytes) --------------------
+
+
+def test_tensor_core_path_wraps_the_loaded_bytes(encoders, tmp_path, monkeypatch, caplog):
+    pytest.importorskip("torchao")
+    src, dst = encoders["text_encoder"], tmp_path / "te"
+    nostall.quantize(src, dst)
+    upcast = nostall.load_model(dst)
+    # CPU stands in for a capable GPU (torch's CPU _scaled_mm runs the same call)
+    monkeypatch.setattr(modules_mod, "fp8_compute", lambda device: ("tensor-cores", "test"))
+    modules_mod._said.clear()
+    with caplog.at_level(logging.INFO, logger="nostall.quant.modules"):
+        cores = nostall.load_model(dst)
+    from torchao.quantization import Float8Tensor
+
+    wrapped = [m for m in _linears(cores) if isinstance(m.weight, Float8Tensor)]
+    assert wrapped and all(type(m) is nn.Linear for m in wrapped)  # back to its own class
+    for m in wrapped:
+        w = m.weight
+        assert w.qdata.dtype == torch.float8_e4m3fn and w.scale.shape == (w.shape[0], 1)
+        assert isinstance(w, nn.Parameter) and not w.requires_grad
+    said = [r.getMessage() for r in caplog.records if "tensor cores" in r.getMessage()]
+    assert len(said) == 1 and f"{len(wrapped)} of" in said[0]
+    # activations are quantized too: close to the upcast path, not equal
+    assert sqnr_db(_run(upcast), _run(cores)) > 20
+    assert sqnr_db(_run(nostall.load_model(src)), _run(cores)) > 15
+
+
+def test_tensor_core_path_keeps_the_same_parameter_object():
+    pytest.importorskip("torchao")
+    from nostall.quant.fp8 import quantize_weight
+
+    lin = nn.Linear(32, 16)
+    q, s = quantize_weight(lin.weight.detach())
+    lin.weight = nn.Parameter(q, requires_grad=False)
+    before, ptr = lin.weight, q.data_ptr()
+    modules_mod.install_fp8(lin, {"weight": s}, compute="tensor-cores")
+    assert lin.weight is before and lin.weight.qdata.data_ptr() == ptr  # no copy
+
+
+def test_layers_that_do_not_fit_the_tensor_cores_upcast():
+    pytest.importorskip("torchao")
+    lin = nn.Linear(24, 16)  # 24 is not a multiple of 16
+    q = lin.weight.detach().to(torch.float8_e4m3fn)
+    lin.weight = nn.Parameter(q, requires_grad=False)
+    modules_mod.install_fp8(lin, {"weight": torch.ones(())}, compute="tensor-cores")
+    assert type(lin).__name__ == "FP8Linear" and lin.weight.dtype == torch.float8_e4m3fn
+
+
+def test_fp8_compute_says_why_it_upcasts():
+    how, why = modules_mod.fp8_compute(torch.device("cpu"))
+    assert how == "upcast" and "cpu" in why
+
+
+# ---- torchao's flattened layout --------------------------------------------------------
+
+
+def _torchao_file(src, dst, *, block=None, kind=None, drop_scale=False):
+    """Rewrite nostall's FP8 copy at ``dst`` in torchao's flattened layout, made by
+    torchao's own flatten_tensor_state_dict."""
+    pytest.importorskip("torchao")
+    from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
+    from torchao.quantization import Float8Tensor
+
+    nostall.quantize(src, dst)
+    (path,) = [f.path for f in resolve(dst).files]
+    t = load_file(path)
+    state = {}
+    for name, v in t.items():
+        if name.endswith("_scale"):
+            continue
+        if v.dtype == torch.float8_e4m3fn:
+            scale = t[name + "_scale"].reshape(-1, 1)
+            state[name] = Float8Tensor(
+                v, scale, block_size=block or [1, v.shape[1]], dtype=torch.float32
+            )
+        else:
+            state[name] = v
+    tensors, metadata = flatten_tensor_state_dict(state)
+    if kind is not None:
+        first = next(n for n in state if isinstance(state[n], Float8Tensor))
+        info = json.loads(metadata[first])
+        info["_type"] = kind
+        metadata[first] = json.dumps(info)
+    if drop_scale:
+        del tensors[next(n for n in tensors if n.endswith("_weight_scale"))]
+    save_file(tensors, path, metadata=metadata)
+    return dst
+
+
+def test_torchao_flattened_files_load(encoders, tmp_path):
+    src = encoders["text_encoder"]
+    dst = _torchao_file(src, tmp_path / "ao")
+    names = {e.name for _, e in resolve(dst).entries()}
+    assert any(n.endswith("._weight_qdata") for n in names)  # really torchao's layout
+    model = nostall.load_model(dst)
+    assert sum(m.weight.dtype == torch.float8_e4m3fn for m in _linears(model)) > 0
+    ours = nostall.load_model(tmp_path / "ao")  # same bytes, read again
+    assert torch.equal(_run(model), _run(ours))
+    assert sqnr_db(_run(nostall.load_model(src)), _run(model)) > 15
+
+
+@pytest.mark.parametrize(
+    "case, says",
+    [
+        ("blockwise", "blockwise FP8"),
+        ("other-type", "Int4Tensor"),
+        ("no-scale", "but no"),
+    ],
+)
+def test_torchao_layouts_nostall_does_not_read_are_typed_errors(encoders, tmp_path, case, says):
+    src = encoders["text_encoder"]
+    kw = {
+        "blockwise": {"block": [16, 16]},
+        "other-type": {"kind": "Int4Tensor"},
+        "no-scale": {"drop_scale": True},
+    }[case]
+    dst = _torchao_file(src, tmp_path / case, **kw)
+    with pytest.raises(CheckpointError, match=says) as e:
+        nostall.load_model(dst)
+    assert e.value.tensor

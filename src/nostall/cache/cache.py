@@ -46,7 +46,6 @@ from nostall.errors import (
     BudgetExceeded,
     ClosedError,
     PoolExhausted,
-    UnsupportedError,
 )
 from nostall.memory.host import memory_limit
 from nostall.transfer.loader import Loader, resolve_device
@@ -468,12 +467,6 @@ class ModelCache:
         plan = self._plans.get(c.digest)
         if plan is not None:
             return plan, 0.0
-        if any(e.dtype.startswith("F8") for _, e in c.checkpoint.entries()):
-            raise UnsupportedError(
-                f"{c.folder}: FP8 weights (nostall quantize's or scaled-FP8) are not served by "
-                "the model cache yet; load this component with nostall.load_model, or keep "
-                "the bf16/fp16 original in the store"
-            )
         t = time.perf_counter()
         insts = self._instances.get(c.arch or c.digest)
         if not insts:

@@ -22,6 +22,7 @@ import torch.nn as nn
 from nostall.assemble import adopt, build_empty, resolve_model_class, target_dtypes
 from nostall.cache.device import Slot
 from nostall.cache.store import ComponentEntry
+from nostall.quant.modules import install_fp8, prepare_fp8
 
 __all__ = ["Instance", "build_instance"]
 
@@ -43,6 +44,7 @@ class Instance:
     slot: Slot | None = None
     offset: int | None = None
     build_s: float = field(default=0.0)
+    fp8: bool = False  # FP8 weights: adopted with their scales (nostall.quant.modules)
 
     def bind(
         self, tensors: dict[str, torch.Tensor], slot: Slot, c: ComponentEntry, device: torch.device
@@ -53,7 +55,14 @@ class Instance:
         if self.offset == slot.offset:
             return 0.0
         t = time.perf_counter()
+        scales: dict[str, torch.Tensor] = {}
+        if self.fp8:
+            # Metadata only: no tensor is read here (the copies may still be running).
+            metadata = {k: v for f in c.checkpoint.files for k, v in f.metadata.items()}
+            tensors, scales = prepare_fp8(tensors, metadata, path=c.folder)
         adopt(self.module, tensors, device=device, strict=True, path=c.folder)
+        if scales:
+            install_fp8(self.module, scales, path=c.folder)
         self.offset = slot.offset
         return time.perf_counter() - t
 
@@ -64,6 +73,14 @@ def build_instance(c: ComponentEntry, dtype: torch.dtype | None) -> Instance:
     cls = resolve_model_class(c.folder)
     module = build_empty(cls, c.folder, dtype=dtype)
     targets = target_dtypes(module, dtype) if dtype is not None else None
-    inst = Instance(c.arch or c.digest, module, targets)
+    fp8 = {e.name for _, e in c.checkpoint.entries() if e.dtype.startswith("F8")}
+    if fp8:
+        # FP8 weights keep their dtype; their scales arrive as float32, cast on the way
+        # in, so installing them later reads nothing while the copies run.
+        targets = {k: v for k, v in (targets or {}).items() if k not in fp8}
+        for _, e in c.checkpoint.entries():
+            if e.name.endswith("_scale") and e.dtype != "F32":
+                targets[e.name] = torch.float32
+    inst = Instance(c.arch or c.digest, module, targets, fp8=bool(fp8))
     inst.build_s = time.perf_counter() - t
     return inst
