@@ -689,6 +689,68 @@ def bench_decode(
     console.print(f"report written to {out}")
 
 
+@bench_app.command("fp8")
+def bench_fp8(
+    size: str = typer.Option("full", help="full (FLUX.1-dev transformer, 23.8 GB) or tiny."),
+    device: str = typer.Option(None, help="cuda[:N] or cpu."),
+    repeat: int = typer.Option(5, help="Timed runs per figure (medians)."),
+    compile: bool = typer.Option(True, "--compile/--no-compile", help="Also time torch.compile."),
+    work: str = typer.Option(
+        None, help="Folder for the bf16 and FP8 transformers (kept; reused when present)."
+    ),
+    out: str = typer.Option(
+        f"{_BENCH_OUT}/fp8.json", help="JSON report path (recorded results: docs/bench/)."
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing report."),
+) -> None:
+    """FP8 against bf16 on a FLUX-size transformer: bytes, page-cache load, memory hit,
+    one 1024x1024 denoising forward (eager and compiled), output SQNR."""
+    from nostall.bench.fp8 import run_fp8_bench
+    from nostall.bench.load import check_new_output, write_report
+
+    with _option("--out"):
+        check_new_output(out, overwrite=overwrite)
+    with _option():
+        report = run_fp8_bench(
+            size=size,
+            device=device or _default_device(),
+            work=work,
+            repeat=repeat,
+            compile=compile,
+            log=lambda m: console.print(m, highlight=False),
+        )
+    with _option("--out"):
+        write_report(report, out, overwrite=overwrite)
+    res = report["results"]
+    table = Table(title=f"FP8 vs bf16: {report['config']['model']}")
+    for col in ("figure", "bf16", "fp8", "fp8 / bf16"):
+        table.add_column(col, justify="left" if col == "figure" else "right")
+    table.add_row(
+        "weights (GB)",
+        f"{res['bytes']['bf16'] / 1e9:.3f}",
+        f"{res['bytes']['fp8'] / 1e9:.3f}",
+        f"{res['bytes']['ratio']:.3f}",
+    )
+    for key, label in (
+        ("page_cache_load_s", "page-cache load (s)"),
+        ("memory_hit_s", "memory hit (s)"),
+    ):
+        r = res[key]
+        table.add_row(label, f"{r['bf16']:.3f}", f"{r['fp8']:.3f}", f"{r['ratio']:.3f}")
+    fwd = res["forward"]
+    for kind in ("eager", "compiled"):
+        if f"bf16_{kind}_s" in fwd:
+            a, b = fwd[f"bf16_{kind}_s"], fwd[f"fp8_{kind}_s"]
+            table.add_row(
+                f"forward, {kind} (ms)", f"{a * 1e3:.1f}", f"{b * 1e3:.1f}", f"{b / a:.3f}"
+            )
+    console.print(table)
+    console.print(f"FP8 linear layers: {report['config']['fp8_compute'][1]}")
+    console.print(f"output SQNR vs bf16: {res['sqnr_db']}")
+    _print_targets(report["targets"])
+    console.print(f"report written to {out}")
+
+
 def _print_targets(targets: dict) -> None:
     table = Table(title="targets")
     for col in ("target", "value", "threshold", "met"):
