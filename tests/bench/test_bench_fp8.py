@@ -24,7 +24,7 @@ def test_tiny_fp8_bench_runs_from_the_cli(tmp_path):
     report = json.loads(out.read_text())
     res = report["results"]
     assert 0 < res["bytes"]["fp8"] < res["bytes"]["bf16"]
-    for key in ("page_cache_load_s", "memory_hit_s"):
+    for key in ("page_cache_load_s", "memory_hit_s", "switch_hit_s"):
         assert res[key]["bf16"] > 0 and res[key]["fp8"] > 0
     assert res["forward"]["bf16_eager_s"] > 0 and res["forward"]["fp8_eager_s"] > 0
     assert res["sqnr_db"]["eager"] > 20  # FP8 weights, upcast on the CPU
@@ -51,7 +51,7 @@ def test_targets_read_the_figures():
     report = {
         "results": {
             "bytes": {"ratio": 0.503},
-            "memory_hit_s": {"fp8": 0.24},
+            "switch_hit_s": {"fp8": 0.24},
             "page_cache_load_s": {"ratio": 0.6},
             "forward": {
                 "fp8_compiled_vs_bf16_compiled": 1.31,

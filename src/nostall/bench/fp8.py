@@ -8,7 +8,9 @@ One run, one process, one GPU:
 3. **page-cache load**: ``nostall.load_model(folder, device)`` with the files in the OS
    page cache (read once before), median of ``repeat``;
 4. **memory hit**: the same through a pinned :class:`~nostall.PinnedPool` that already
-   holds the bytes (what a model-cache switch from the host tier costs), median;
+   holds the bytes (``load_model``: module built too), and the **switch** a model cache
+   makes for a component whose module already views its device memory (the pool's bytes
+   copied into that memory, nothing built: the issue's memory-hit switch), medians;
 5. **forward**: one denoising forward at 1024x1024 (4096 image tokens, 512 text tokens,
    batch 1), eager and ``torch.compile``d, bf16 against FP8 (FP8 tensor cores where the
    GPU has them, see :mod:`nostall.quant.modules`), median of ``repeat`` after warm-up;
@@ -130,6 +132,32 @@ def _time_forward(fn: Callable, dev: torch.device, repeat: int) -> tuple[list[fl
     return times, out
 
 
+def _switch_hits(folder: str, dev: torch.device, repeat: int, nbytes: int) -> float:
+    """Median seconds of a memory-tier switch as the model cache makes one for a component
+    whose module already views its device memory: the checkpoint's bytes from a pinned
+    pool (filled by a first load) into that memory, nothing built."""
+    from nostall.checkpoint import resolve
+    from nostall.memory.pool import PinnedPool
+    from nostall.transfer.loader import Loader
+    from nostall.transfer.plan import LoadPlan
+
+    ckpt = resolve(folder)
+    plan = LoadPlan(ckpt, None, mirror_file=dev.type == "cpu")
+    flat = torch.empty(plan.target_bytes, dtype=torch.uint8, device=dev)
+    key = ("nostall-bench-fp8", folder)
+    times = []
+    with PinnedPool(int(nbytes * 1.1) + (64 << 20)) as pool, Loader() as loader:
+        loader.start(ckpt, device=dev, pool=pool, key=key, into=flat).wait()
+        for _ in range(repeat):
+            _sync(dev)
+            t = time.perf_counter()
+            loader.start(ckpt, device=dev, pool=pool, key=key, into=flat, views=False).wait()
+            _sync(dev)
+            times.append(time.perf_counter() - t)
+    del flat
+    return statistics.median(times)
+
+
 def sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
     ref, got = ref.float(), got.float()
     noise = (ref - got).pow(2).mean()
@@ -196,7 +224,7 @@ def run_fp8_bench(
     log(f"bytes: bf16 {res['bytes']['bf16'] / 1e9:.2f} GB, fp8 {res['bytes']['fp8'] / 1e9:.2f} GB")
 
     # Loads: page cache (files read once first), then pool hits.
-    res["page_cache_load_s"], res["memory_hit_s"] = {}, {}
+    res["page_cache_load_s"], res["memory_hit_s"], res["switch_hit_s"] = {}, {}, {}
     for name, folder in (("bf16", src), ("fp8", dst)):
         for f in os.listdir(folder):  # into the page cache
             with open(os.path.join(folder, f), "rb") as fh:
@@ -223,11 +251,13 @@ def run_fp8_bench(
                 hits.append(time.perf_counter() - t)
                 del m
         res["memory_hit_s"][name] = statistics.median(hits)
+        res["switch_hit_s"][name] = _switch_hits(folder, dev, repeat, res["bytes"][name])
         log(
             f"{name}: page-cache load {res['page_cache_load_s'][name]:.3f} s, memory hit "
-            f"{res['memory_hit_s'][name]:.3f} s"
+            f"{res['memory_hit_s'][name]:.3f} s (load_model), {res['switch_hit_s'][name]:.3f} s "
+            "(into resident memory)"
         )
-    for key in ("page_cache_load_s", "memory_hit_s"):
+    for key in ("page_cache_load_s", "memory_hit_s", "switch_hit_s"):
         res[key]["ratio"] = res[key]["fp8"] / res[key]["bf16"]
 
     # Forwards on the same inputs.
@@ -283,7 +313,8 @@ def evaluate_targets(report: dict) -> dict[str, dict]:
         t[name] = {"value": value, "threshold": threshold, "op": op, "met": met}
 
     target("bytes_fp8_vs_bf16", res.get("bytes", {}).get("ratio"), "<=", 0.52)
-    target("memory_hit_switch_fp8_s", res.get("memory_hit_s", {}).get("fp8"), "<=", 0.25)
+    # a switch in the model cache's sense: bytes from the host tier into resident memory
+    target("memory_hit_switch_fp8_s", res.get("switch_hit_s", {}).get("fp8"), "<=", 0.25)
     target("page_cache_load_fp8_vs_bf16", res.get("page_cache_load_s", {}).get("ratio"), "<=", 0.55)
     target("forward_fp8_compiled_vs_bf16_compiled", fwd.get("fp8_compiled_vs_bf16_compiled"),
            ">=", 1.3)  # fmt: skip
