@@ -689,6 +689,45 @@ def bench_decode(
     console.print(f"report written to {out}")
 
 
+@app.command()
+def serve(
+    models: str = typer.Option(..., "--models", help="Folder of diffusers pipeline folders."),
+    device: str = typer.Option(None, help="cuda[:N] or cpu (default: cuda if present)."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default)."),
+    port: int = typer.Option(8000, help="Port."),
+    max_queue: int = typer.Option(16, help="Requests allowed to wait; more get 429."),
+    gpu_budget_gb: float = typer.Option(None, help="Device tier (default: 80% of free)."),
+    host_budget_gb: float = typer.Option(None, help="Pinned host tier (default: half of RAM)."),
+    dtype: str = typer.Option(None, help="bf16, fp16 or fp32 (default: as stored)."),
+    prepare: bool = typer.Option(
+        True, "--prepare/--no-prepare", help="Build every pipeline's modules at boot."
+    ),
+) -> None:
+    """Serve image generation and video decoding over HTTP (OpenAI's images API shape),
+    switching pipelines through the model cache. Status page at /, metrics at /metrics."""
+    import torch
+    import uvicorn
+
+    from nostall.serve.app import create_app
+    from nostall.serve.worker import Worker
+
+    with _option():
+        worker = Worker(
+            models,
+            device=device or _default_device(),
+            gpu_budget=int(gpu_budget_gb * 1e9) if gpu_budget_gb else None,
+            host_budget=int(host_budget_gb * 1e9) if host_budget_gb else None,
+            dtype=getattr(torch, _DTYPES[dtype]) if dtype else None,
+            max_queue=max_queue,
+            prepare=prepare,
+        )
+    console.print(
+        f"nostall worker: {len(worker.names())} pipelines on {worker.device}; "
+        f"http://{host}:{port}/ (status), /v1/images/generations, /v1/videos/decode"
+    )
+    uvicorn.run(create_app(worker), host=host, port=port, log_level="info")
+
+
 @bench_app.command("fp8")
 def bench_fp8(
     size: str = typer.Option("full", help="full (FLUX.1-dev transformer, 23.8 GB) or tiny."),

@@ -1,0 +1,43 @@
+"""Prometheus metrics of one worker (its own registry: two workers in one process, as in
+the tests, never share counters)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["WorkerMetrics"]
+
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "nostall_requests", "Requests answered, by endpoint, model and status code.",
+            ["endpoint", "model", "status"], registry=r,
+        )  # fmt: skip
+        self.latency = Histogram(
+            "nostall_request_seconds", "Time from arrival to answer.", ["endpoint"],
+            buckets=_SECONDS, registry=r,
+        )  # fmt: skip
+        self.phases = Histogram(
+            "nostall_phase_seconds",
+            "Per-request phase times: queue, switch, read, copy, build, text, denoise, decode.",
+            ["phase"], buckets=_SECONDS, registry=r,
+        )  # fmt: skip
+        self.switch_tier = Counter(
+            "nostall_switch_components", "Components a switch found, by the tier they came from.",
+            ["tier"], registry=r,
+        )  # fmt: skip
+        self.queue_depth = Gauge("nostall_queue_depth", "Requests waiting.", registry=r)
+        self.rejected = Counter(
+            "nostall_rejected", "Requests refused because the queue was full (429).", registry=r
+        )
+        self.tier_bytes = Gauge(
+            "nostall_tier_bytes", "Weights resident per tier.", ["tier"], registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

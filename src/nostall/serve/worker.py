@@ -1,0 +1,534 @@
+"""The generation worker: one thread that owns the GPU work, a bounded queue in front of it.
+
+HTTP handlers (:mod:`nostall.serve.app`) validate a request, :meth:`Worker.submit` it
+and wait on its future; the worker thread takes jobs in arrival order, switches
+pipelines through a :class:`~nostall.ModelCache` (while a job runs, the next queued
+job's pipeline is prefetched on the copy stream), runs the diffusers pipeline, and
+records where each request's time went:
+
+``queue``   waiting behind other requests;
+``switch``  the cache's switch to the pipeline (``read``, ``copy``, ``build`` inside it,
+            and the tier each component came from);
+``text``    text encoders; ``denoise`` first to last denoiser call; ``decode`` the VAE
+            and post-processing after the last denoiser call (image requests);
+``decode``  Wan latents → MP4 through the asynchronous frame pipeline (video requests).
+
+A full queue refuses at once (:class:`QueueFull`, HTTP 429); a shutdown stops taking
+jobs, fails the queued ones (:class:`ShuttingDown`, HTTP 503), lets the running one
+finish, and closes the cache. A job whose client went away before it started is
+skipped. A failing job fails its own future; the thread carries on.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import random
+import tempfile
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nostall.cache import ModelCache
+from nostall.errors import ArgumentError, NostallError
+
+__all__ = [
+    "ImageJob",
+    "Limits",
+    "QueueFull",
+    "ShuttingDown",
+    "VideoJob",
+    "Worker",
+]
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(NostallError):
+    """The worker's queue is full; retry later (HTTP 429)."""
+
+
+class ShuttingDown(NostallError):
+    """The worker is shutting down and takes no more work (HTTP 503)."""
+
+
+class Cancelled(NostallError):
+    """The client went away before the job started."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request may ask for (beyond these: HTTP 422 naming the field)."""
+
+    min_side: int = 16
+    max_side: int = 2048
+    max_steps: int = 150
+    max_prompt_chars: int = 4000
+    max_guidance: float = 50.0
+    max_latent_bytes: int = 512 << 20
+
+
+@dataclass
+class ImageJob:
+    model: str
+    prompt: str
+    width: int
+    height: int
+    steps: int
+    seed: int
+    guidance: float | None = None
+    negative_prompt: str | None = None
+    max_sequence_length: int | None = None
+
+
+@dataclass
+class VideoJob:
+    model: str
+    latents: torch.Tensor
+    fps: float = 16.0
+    mode: str = "eager"
+    denormalize: bool = False
+
+
+@dataclass
+class Result:
+    """What a job produced: ``body`` (PNG or MP4 bytes), its phases and the switch."""
+
+    body: bytes
+    media_type: str
+    phases: dict[str, float]
+    switch: dict[str, Any]
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Ticket:
+    job: ImageJob | VideoJob
+    future: Future
+    arrived: float
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class Worker:
+    """The queue, the thread and the model cache of one serving process.
+
+    ``models``, ``device``, budgets and ``dtype`` are the :class:`~nostall.ModelCache`'s.
+    ``max_queue``: jobs allowed to wait (the running one not counted). ``prepare``: at
+    :meth:`start`, do the first switch's one-time work for every pipeline
+    (:meth:`ModelCache.prepare`). ``prefetch``: move the next queued job's pipeline
+    while the current one runs.
+    """
+
+    def __init__(
+        self,
+        models: Any,
+        *,
+        device: str | torch.device = "cuda",
+        gpu_budget: int | None = None,
+        host_budget: int | None = None,
+        dtype: torch.dtype | None = None,
+        max_queue: int = 16,
+        limits: Limits | None = None,
+        prepare: bool = True,
+        prefetch: bool = True,
+        recent: int = 50,
+    ):
+        from nostall.serve.metrics import WorkerMetrics
+
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
+            raise ArgumentError(f"max_queue={max_queue!r} must be a positive number of jobs")
+        self.cache = ModelCache(
+            models, device=device, gpu_budget=gpu_budget, host_budget=host_budget, dtype=dtype
+        )
+        self.device = self.cache.device
+        self.limits = limits or Limits()
+        self.max_queue = max_queue
+        self.metrics = WorkerMetrics()
+        self.recent: deque[dict[str, Any]] = deque(maxlen=recent)
+        self._prepare = prepare
+        self._prefetch = prefetch
+        self._queue: deque[_Ticket] = deque()
+        self._cond = threading.Condition()
+        self._accepting = False
+        self._running: _Ticket | None = None
+        self._thread: threading.Thread | None = None
+        self._started_at = time.time()
+
+    # ---- lifecycle ---------------------------------------------------------------
+
+    def start(self) -> Worker:
+        if self._thread is not None:
+            return self
+        if self._prepare:
+            self.cache.prepare(*self.cache.names())
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run, name="nostall-worker", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 300.0) -> None:
+        """Take no more jobs, fail the queued ones, let the running one finish, close."""
+        with self._cond:
+            self._accepting = False
+            waiting = list(self._queue)
+            self._queue.clear()
+            self.metrics.queue_depth.set(0)
+            self._cond.notify_all()
+        for t in waiting:
+            if t.future.set_running_or_notify_cancel():
+                t.future.set_exception(ShuttingDown("the worker is shutting down; retry elsewhere"))
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("the running job did not finish within %.0f s of shutdown", timeout)
+            self._thread = None
+        self.cache.close()
+
+    @property
+    def ready(self) -> bool:
+        return self._accepting and self._thread is not None and self._thread.is_alive()
+
+    def names(self) -> list[str]:
+        return self.cache.names()
+
+    # ---- submitting ----------------------------------------------------------------
+
+    def submit(self, job: ImageJob | VideoJob) -> tuple[Future, threading.Event]:
+        """Queue ``job``; returns its future and an event to set if the client leaves.
+        :class:`QueueFull` / :class:`ShuttingDown` at once when it cannot be queued."""
+        self.cache.store.entry(job.model)  # UnknownModel now, naming what exists
+        ticket = _Ticket(job, Future(), time.perf_counter())
+        with self._cond:
+            if not self._accepting:
+                raise ShuttingDown("the worker is not taking jobs (starting or shutting down)")
+            if len(self._queue) >= self.max_queue:
+                self.metrics.rejected.inc()
+                raise QueueFull(
+                    f"{len(self._queue)} requests are waiting (max_queue={self.max_queue}); "
+                    "retry later"
+                )
+            self._queue.append(ticket)
+            self.metrics.queue_depth.set(len(self._queue))
+            self._cond.notify_all()
+            running = self._running.job.model if self._running is not None else None
+            first_waiting = len(self._queue) == 1
+        if running is not None and first_waiting:
+            # it arrived while another job runs: move its pipeline in meanwhile
+            self._prefetch_next(running)
+        return ticket.future, ticket.cancelled
+
+    def image_job(self, body: dict[str, Any]) -> ImageJob:
+        """An :class:`ImageJob` from an images/generations body (already JSON-parsed and
+        schema-checked); :class:`~nostall.ArgumentError` naming the field otherwise."""
+        lim = self.limits
+        size = str(body.get("size") or "1024x1024")
+        try:
+            w, h = (int(v) for v in size.lower().split("x"))
+        except ValueError:
+            raise ArgumentError(f"size={size!r}: give WIDTHxHEIGHT, e.g. '1024x1024'") from None
+        for name, v in (("width", w), ("height", h)):
+            if not lim.min_side <= v <= lim.max_side or v % 8:
+                raise ArgumentError(
+                    f"size={size!r}: {name} {v} must be a multiple of 8 in "
+                    f"[{lim.min_side}, {lim.max_side}]"
+                )
+        steps = body.get("steps", 28)
+        if not 1 <= steps <= lim.max_steps:
+            raise ArgumentError(f"steps={steps}: must be in [1, {lim.max_steps}]")
+        prompt = body["prompt"]
+        if not prompt.strip() or len(prompt) > lim.max_prompt_chars:
+            raise ArgumentError(
+                f"prompt of {len(prompt)} characters: give 1 to {lim.max_prompt_chars}"
+            )
+        guidance = body.get("guidance")
+        if guidance is not None and not 0.0 <= guidance <= lim.max_guidance:
+            raise ArgumentError(f"guidance={guidance}: must be in [0, {lim.max_guidance}]")
+        seed = body.get("seed")
+        if seed is None:
+            seed = random.randrange(2**31)
+        elif not 0 <= seed < 2**63:
+            raise ArgumentError(f"seed={seed}: must be in [0, 2**63)")
+        return ImageJob(
+            model=body["model"],
+            prompt=prompt,
+            width=w,
+            height=h,
+            steps=steps,
+            seed=seed,
+            guidance=guidance,
+            negative_prompt=body.get("negative_prompt"),
+            max_sequence_length=body.get("max_sequence_length"),
+        )
+
+    # ---- the thread ------------------------------------------------------------------
+
+    def _next(self) -> _Ticket | None:
+        with self._cond:
+            while not self._queue and self._accepting:
+                self._cond.wait()
+            if not self._queue:
+                return None
+            t = self._queue.popleft()
+            self.metrics.queue_depth.set(len(self._queue))
+            self._running = t
+            return t
+
+    def _run(self) -> None:
+        while True:
+            t = self._next()
+            if t is None:
+                return
+            try:
+                if t.cancelled.is_set() or not t.future.set_running_or_notify_cancel():
+                    if not t.future.done():
+                        t.future.set_exception(Cancelled("the client went away"))
+                    continue
+                self._prefetch_next(t.job.model)
+                try:
+                    result = self._execute(t)
+                except BaseException as e:  # the thread carries on; the job fails
+                    log.exception("job for %s failed", t.job.model)
+                    t.future.set_exception(e)
+                else:
+                    t.future.set_result(result)
+            finally:
+                with self._cond:
+                    self._running = None
+
+    def _prefetch_next(self, current: str) -> None:
+        if not self._prefetch:
+            return
+        with self._cond:
+            nxt = next((q.job.model for q in self._queue if not q.cancelled.is_set()), None)
+        if nxt is not None and nxt != current:
+            fut = self.cache.prefetch(nxt)
+            fut.add_done_callback(_log_prefetch_failure)
+
+    def _execute(self, t: _Ticket) -> Result:
+        start = time.perf_counter()
+        queue_s = start - t.arrived
+        if isinstance(t.job, VideoJob):
+            result = self._video(t.job, start)
+        else:
+            result = self._image(t.job, start)
+        result.phases = {"queue": queue_s, **result.phases}
+        result.phases["total"] = time.perf_counter() - t.arrived
+        for phase, s in result.phases.items():
+            if phase != "total":
+                self.metrics.phases.labels(phase).observe(s)
+        for c in result.switch.get("components", []):
+            self.metrics.switch_tier.labels(c["tier"]).inc()
+        stats = self.cache.stats()
+        self.metrics.tier_bytes.labels("gpu").set(stats.gpu_bytes)
+        self.metrics.tier_bytes.labels("host").set(stats.host_bytes)
+        self.recent.appendleft(
+            {
+                "at": time.strftime("%H:%M:%S"),
+                "kind": "video" if isinstance(t.job, VideoJob) else "image",
+                "model": t.job.model,
+                "phases": {k: round(v, 4) for k, v in result.phases.items()},
+                "tiers": sorted({c["tier"] for c in result.switch.get("components", [])}),
+            }
+        )
+        return result
+
+    def _switch_report(self, name: str) -> dict[str, Any]:
+        for r in reversed(self.cache.reports):
+            if r.pipeline == name and not r.prefetch:
+                return r.as_dict()
+        return {}
+
+    def _image(self, job: ImageJob, start: float) -> Result:
+        with self.cache.use(job.model) as pipe:
+            switched = time.perf_counter()
+            report = self._switch_report(job.model)
+            clock = _PhaseClock(pipe, self.device)
+            try:
+                kwargs = image_kwargs(pipe, job, self.device)
+                with torch.inference_mode():
+                    image = pipe(**kwargs).images[0]
+                _sync(self.device)
+                done = time.perf_counter()
+            finally:
+                clock.remove()
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        phases = {"switch": switched - start, **_switch_phases(report), **clock.phases(done)}
+        return Result(
+            buf.getvalue(), "image/png", phases, report, {"seed": job.seed, "size": image.size}
+        )
+
+    def _video(self, job: VideoJob, start: float) -> Result:
+        from nostall.video import decode_to_file, denormalize
+
+        with self.cache.use(job.model) as pipe:
+            switched = time.perf_counter()
+            report = self._switch_report(job.model)
+            vae = getattr(pipe, "vae", None)
+            if vae is None:
+                raise ArgumentError(f"pipeline {job.model!r} has no vae to decode latents with")
+            dtype = next(vae.parameters()).dtype
+            z = job.latents.to(self.device, dtype)
+            if job.denormalize:
+                z = denormalize(vae, z)
+            fd, path = tempfile.mkstemp(suffix=".mp4", prefix="nostall-decode-")
+            os.close(fd)
+            os.remove(path)  # decode_to_file writes a temporary name and renames into it
+            try:
+                t = time.perf_counter()
+                with torch.inference_mode():
+                    out = decode_to_file(vae, z, path, fps=job.fps, mode=job.mode)
+                decode_s = time.perf_counter() - t
+                with open(path, "rb") as f:
+                    body = f.read()
+            finally:
+                if os.path.exists(path):
+                    os.remove(path)
+        phases = {"switch": switched - start, **_switch_phases(report), "decode": decode_s}
+        return Result(body, "video/mp4", phases, report, {"frames": out.frames})
+
+    # ---- what the status page shows ----------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        stats = self.cache.stats()
+        with self._cond:
+            waiting = [t.job.model for t in self._queue]
+            running = self._running.job.model if self._running else None
+        resident: dict[str, set[str]] = {}
+        for comp in stats.components.values():
+            for p in comp["pipelines"]:
+                resident.setdefault(p, set()).add(comp["tier"])
+        return {
+            "device": stats.device,
+            "ready": self.ready,
+            "uptime_s": time.time() - self._started_at,
+            "gpu": {"budget": stats.gpu_budget, "bytes": stats.gpu_bytes},
+            "host": {"budget": stats.host_budget, "bytes": stats.host_bytes},
+            "models": {
+                name: sorted(resident.get(name, {"disk"}), key=["gpu", "host", "disk"].index)
+                for name in self.names()
+            },
+            "running": running,
+            "queue": waiting,
+            "recent": list(self.recent),
+        }
+
+
+def image_kwargs(pipe: Any, job: ImageJob, device: torch.device) -> dict[str, Any]:
+    """The pipeline call for ``job``: diffusers' own arguments, a generator seeded on the
+    pipeline's device as a user would seed it, PIL output."""
+    import inspect
+
+    params: Any = {}
+    for cls in type(pipe).__mro__:  # the pipeline's own __call__ (the cache wraps it)
+        call = cls.__dict__.get("__call__")
+        if call is not None:
+            params = inspect.signature(call).parameters
+            if "prompt" in params:
+                break
+    kwargs: dict[str, Any] = {
+        "prompt": job.prompt,
+        "height": job.height,
+        "width": job.width,
+        "num_inference_steps": job.steps,
+        "generator": torch.Generator(device=device.type).manual_seed(job.seed),
+        "output_type": "pil",
+    }
+    if job.guidance is not None:
+        kwargs["guidance_scale"] = job.guidance
+    if job.negative_prompt is not None:
+        if "negative_prompt" not in params:
+            raise ArgumentError(f"{type(pipe).__name__} takes no negative_prompt")
+        kwargs["negative_prompt"] = job.negative_prompt
+    if job.max_sequence_length is not None:
+        if "max_sequence_length" not in params:
+            raise ArgumentError(f"{type(pipe).__name__} takes no max_sequence_length")
+        kwargs["max_sequence_length"] = job.max_sequence_length
+    if hasattr(pipe, "set_progress_bar_config"):
+        pipe.set_progress_bar_config(disable=True)
+    return kwargs
+
+
+def _switch_phases(report: dict[str, Any]) -> dict[str, float]:
+    comps = report.get("components", [])
+    return {
+        "read": sum(c.get("read_s", 0.0) for c in comps),
+        "copy": sum(c.get("copy_s", 0.0) for c in comps),
+        "build": sum(c.get("build_s", 0.0) for c in comps),
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _log_prefetch_failure(fut: Future) -> None:
+    e = fut.exception()
+    if e is not None:
+        log.info("prefetch did not run: %s", e)
+
+
+class _PhaseClock:
+    """Text-encoder time and the denoising span of one pipeline call, from forward hooks
+    (synchronised on CUDA, so a phase's kernels are counted in it)."""
+
+    _TEXT = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    _DENOISE = ("transformer", "unet")
+
+    def __init__(self, pipe: Any, device: torch.device):
+        self.device = device
+        self.start = time.perf_counter()
+        self.text_s = 0.0
+        self.first: float | None = None
+        self.last: float | None = None
+        self._t0 = 0.0
+        self._hooks = []
+        for name in self._TEXT:
+            m = getattr(pipe, name, None)
+            if isinstance(m, torch.nn.Module):
+                self._hooks.append(m.register_forward_pre_hook(self._text_in))
+                self._hooks.append(m.register_forward_hook(self._text_out))
+        for name in self._DENOISE:
+            m = getattr(pipe, name, None)
+            if isinstance(m, torch.nn.Module):
+                self._hooks.append(m.register_forward_pre_hook(self._denoise_in))
+                self._hooks.append(m.register_forward_hook(self._denoise_out))
+
+    def _now(self) -> float:
+        _sync(self.device)
+        return time.perf_counter()
+
+    def _text_in(self, module, args) -> None:
+        self._t0 = self._now()
+
+    def _text_out(self, module, args, out) -> None:
+        self.text_s += self._now() - self._t0
+
+    def _denoise_in(self, module, args) -> None:
+        t = self._now()
+        if self.first is None:
+            self.first = t
+
+    def _denoise_out(self, module, args, out) -> None:
+        self.last = self._now()
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def phases(self, done: float) -> dict[str, float]:
+        if self.first is None or self.last is None:
+            return {"text": self.text_s, "denoise": 0.0, "decode": done - self.start}
+        return {
+            "text": self.text_s,
+            "denoise": self.last - self.first,
+            "decode": done - self.last,
+        }

@@ -1,0 +1,272 @@
+"""The worker's HTTP API through real HTTP (uvicorn on loopback), tiny random pipelines."""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+
+def _reference(store, name, *, prompt="a cat", size=32, steps=2, seed=0, **kw):
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(str(store / name))
+    pipe.set_progress_bar_config(disable=True)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    image = pipe(prompt=prompt, height=size, width=size, num_inference_steps=steps,
+                 generator=g, output_type="pil", **kw).images[0]  # fmt: skip
+    return np.asarray(image)
+
+
+def _body(model="flux", **kw):
+    body = {"model": model, "prompt": "a cat", "size": "32x32", "steps": 2, "seed": 0}
+    if model == "flux":
+        body["max_sequence_length"] = 16
+    body.update(kw)
+    return body
+
+
+def test_images_equal_diffusers_for_the_seed_and_carry_their_phases(serve, store):
+    server, _ = serve()
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        r = c.post("/v1/images/generations", json=_body())
+        assert r.status_code == 200, r.text
+        out = r.json()
+        image = np.asarray(Image.open(io.BytesIO(base64.b64decode(out["data"][0]["b64_json"]))))
+        assert np.array_equal(image, _reference(store, "flux", max_sequence_length=16))
+        phases = out["nostall"]["phases"]
+        for p in ("queue", "switch", "read", "copy", "build", "text", "denoise", "decode", "total"):
+            assert p in phases and phases[p] >= 0
+        assert phases["denoise"] > 0 and phases["text"] > 0
+        assert "switch;dur=" in r.headers["server-timing"]
+        assert {x["tier"] for x in out["nostall"]["switch"]["components"]} == {"disk"}
+        # PNG straight, and another pipeline; then flux again from memory
+        r = c.post("/v1/images/generations", json=_body("sdxl", response_format="png", seed=3))
+        assert r.status_code == 200 and r.headers["content-type"] == "image/png"
+        image = np.asarray(Image.open(io.BytesIO(r.content)))
+        assert np.array_equal(image, _reference(store, "sdxl", seed=3))
+        r = c.post("/v1/images/generations", json=_body())
+        assert "disk" not in r.headers["x-nostall-switch-tiers"]
+
+
+@pytest.mark.parametrize(
+    "body, status, says",
+    [
+        ("{not json", 400, "not JSON"),
+        ({"model": "flux"}, 422, "prompt"),
+        (_body(size="33x32"), 422, "multiple of 8"),
+        (_body(size="big"), 422, "WIDTHxHEIGHT"),
+        (_body(steps=-1), 422, "steps=-1"),
+        (_body(steps=10_000), 422, "steps=10000"),
+        (_body(prompt="x" * 5000), 422, "prompt of 5000"),
+        (_body(n=2), 422, "only 1"),
+        (_body(sampler="euler"), 422, "sampler"),
+        (_body(guidance=-1.0), 422, "guidance=-1.0"),
+        (_body(seed=-5), 422, "seed=-5"),
+    ],
+)
+def test_bad_requests_get_clear_4xx_and_the_worker_keeps_serving(serve, body, status, says):
+    server, _ = serve(prepare=False)
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        kw = {"content": body} if isinstance(body, str) else {"json": body}
+        r = c.post("/v1/images/generations", **kw)
+        assert r.status_code == status, r.text
+        assert says in r.json()["error"]["message"]
+        assert c.post("/v1/images/generations", json=_body()).status_code == 200
+
+
+def test_unknown_model_is_404_listing_the_models(serve):
+    server, _ = serve(prepare=False)
+    r = httpx.post(f"{server.url}/v1/images/generations", json=_body("flux-pro"), timeout=30)
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert "flux-pro" in err["message"] and set(err["models"]) == {"flux", "sdxl", "wan"}
+
+
+def test_a_full_queue_answers_429_and_every_accepted_request_is_served(serve, monkeypatch):
+    from nostall.serve import worker as worker_mod
+
+    gate = threading.Event()
+    real = worker_mod.Worker._image
+
+    def slow(self, job, start):
+        gate.wait(60)
+        return real(self, job, start)
+
+    monkeypatch.setattr(worker_mod.Worker, "_image", slow)
+    server, _ = serve(max_queue=2, prepare=False)
+    results: list[httpx.Response] = []
+
+    def post(seed):
+        results.append(httpx.post(f"{server.url}/v1/images/generations",
+                                  json=_body(seed=seed), timeout=120))  # fmt: skip
+
+    threads = [threading.Thread(target=post, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 30
+    while sum(r.status_code == 429 for r in results) < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    gate.set()
+    for t in threads:
+        t.join(120)
+    codes = sorted(r.status_code for r in results)
+    assert codes == [200, 200, 200, 429, 429, 429]  # one running, two waiting
+    assert all(r.headers.get("retry-after") for r in results if r.status_code == 429)
+    seeds = sorted(r.json()["nostall"]["seed"] for r in results if r.status_code == 200)
+    assert len(set(seeds)) == 3  # no answer mixed up or lost
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert "nostall_rejected_total 3.0" in metrics
+
+
+def test_health_ready_metrics_models_and_status_page(serve):
+    server, _ = serve(prepare=False)
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        assert c.get("/healthz").json() == {"status": "ok"}
+        assert c.get("/readyz").status_code == 200
+        assert {m["id"] for m in c.get("/v1/models").json()["data"]} == {"flux", "sdxl", "wan"}
+        c.post("/v1/images/generations", json=_body())
+        text = c.get("/metrics").text
+        assert 'nostall_requests_total{endpoint="images",model="flux",status="200"} 1.0' in text
+        assert 'nostall_phase_seconds_count{phase="denoise"} 1.0' in text
+        assert 'nostall_switch_components_total{tier="disk"}' in text
+        page = c.get("/").text
+        assert "<h1>nostall worker</h1>" in page and "flux" in page and "denoise" in page
+        status = c.get("/status.json").json()
+        assert status["models"]["flux"][0] == "gpu" or status["models"]["flux"][0] == "host"
+        assert status["recent"][0]["model"] == "flux"
+
+
+def test_video_decode_returns_an_mp4_of_the_latents(serve, store):
+    import av
+    from safetensors.torch import save
+
+    server, _ = serve(prepare=False)
+    g = torch.Generator().manual_seed(0)
+    from diffusers import AutoencoderKLWan
+
+    vae = AutoencoderKLWan.from_pretrained(str(store / "wan" / "vae"))
+    z = torch.randn(1, vae.config.z_dim, 3, 4, 4, generator=g)
+    r = httpx.post(f"{server.url}/v1/videos/decode", params={"model": "wan", "fps": 8, "mode": "exact"},
+                   content=save({"latents": z}), timeout=120)  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "video/mp4" and r.headers["x-nostall-frames"] == "9"
+    with av.open(io.BytesIO(r.content)) as f:
+        assert sum(1 for _ in f.decode(video=0)) == 9
+    bad = httpx.post(f"{server.url}/v1/videos/decode", params={"model": "wan"}, content=b"junk")
+    assert bad.status_code == 400
+    bad = httpx.post(f"{server.url}/v1/videos/decode", params={"model": "wan", "mode": "turbo"},
+                     content=save({"latents": z}))  # fmt: skip
+    assert bad.status_code == 422
+
+
+def test_shutdown_finishes_the_running_job_and_fails_the_queued(serve, monkeypatch):
+    from nostall.serve import worker as worker_mod
+
+    started, gate = threading.Event(), threading.Event()
+    real = worker_mod.Worker._image
+
+    def slow(self, job, start):
+        started.set()
+        gate.wait(60)
+        return real(self, job, start)
+
+    monkeypatch.setattr(worker_mod.Worker, "_image", slow)
+    server, worker = serve(prepare=False)
+    results = {}
+
+    def post(seed):
+        results[seed] = httpx.post(f"{server.url}/v1/images/generations",
+                                   json=_body(seed=seed), timeout=120)  # fmt: skip
+
+    first = threading.Thread(target=post, args=(1,))
+    first.start()
+    assert started.wait(30)
+    second = threading.Thread(target=post, args=(2,))
+    second.start()
+    while not worker.status()["queue"]:
+        time.sleep(0.02)
+    stopper = threading.Thread(target=worker.shutdown)
+    stopper.start()
+    second.join(60)
+    assert results[2].status_code == 503
+    assert httpx.get(f"{server.url}/readyz").status_code == 503
+    gate.set()
+    first.join(60)
+    stopper.join(60)
+    assert results[1].status_code == 200  # the running job finished
+
+
+def test_a_client_that_leaves_while_queued_is_skipped(serve, monkeypatch):
+    from nostall.serve import worker as worker_mod
+
+    started, gate = threading.Event(), threading.Event()
+    real = worker_mod.Worker._image
+    ran = []
+
+    def slow(self, job, start):
+        ran.append(job.seed)
+        started.set()
+        gate.wait(60)
+        return real(self, job, start)
+
+    monkeypatch.setattr(worker_mod.Worker, "_image", slow)
+    server, worker = serve(prepare=False)
+    first = threading.Thread(
+        target=httpx.post,
+        args=(f"{server.url}/v1/images/generations",),
+        kwargs={"json": _body(seed=1), "timeout": 120},
+    )
+    first.start()
+    assert started.wait(30)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up while queued
+        httpx.post(f"{server.url}/v1/images/generations", json=_body(seed=2), timeout=0.5)
+    time.sleep(0.5)  # the server notices within its 0.2 s poll
+    gate.set()
+    first.join(60)
+    r = httpx.post(f"{server.url}/v1/images/generations", json=_body(seed=3), timeout=120)
+    assert r.status_code == 200
+    assert ran == [1, 3]  # seed 2 never ran
+    assert len(worker.status()["recent"]) == 2
+
+
+def test_the_next_queued_model_is_prefetched_while_the_current_one_runs(serve, monkeypatch):
+    from nostall.serve import worker as worker_mod
+
+    started, gate = threading.Event(), threading.Event()
+    real = worker_mod.Worker._image
+
+    def slow(self, job, start):
+        if job.model == "flux":
+            started.set()
+            gate.wait(60)
+        return real(self, job, start)
+
+    monkeypatch.setattr(worker_mod.Worker, "_image", slow)
+    server, worker = serve(prepare=False, gpu_budget=8 << 20)
+    results = {}
+
+    def post(name, body):
+        results[name] = httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=120)
+
+    a = threading.Thread(target=post, args=("flux", _body()))
+    a.start()
+    assert started.wait(30)
+    b = threading.Thread(target=post, args=("sdxl", _body("sdxl")))
+    b.start()
+    while not worker.status()["queue"]:
+        time.sleep(0.02)
+    gate.set()
+    a.join(60)
+    b.join(60)
+    assert results["flux"].status_code == 200 and results["sdxl"].status_code == 200
+    assert any(r.prefetch and r.pipeline == "sdxl" for r in worker.cache.reports)
+    tiers = results["sdxl"].json()["nostall"]["switch"]["components"]
+    assert {c["tier"] for c in tiers} <= {"device", "gpu"}  # already moved by the prefetch

@@ -1,0 +1,32 @@
+"""The worker on the GPU: images equal diffusers' on cuda for the seed, phases measured."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+pytestmark = pytest.mark.cuda
+
+
+def test_images_on_cuda_equal_diffusers(serve, store):
+    from diffusers import DiffusionPipeline
+
+    server, _ = serve(device="cuda", gpu_budget=256 << 20)
+    body = {"model": "sdxl", "prompt": "a cat", "size": "32x32", "steps": 2, "seed": 7}
+    r = httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    got = np.asarray(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))))
+    pipe = DiffusionPipeline.from_pretrained(str(store / "sdxl")).to("cuda")
+    pipe.set_progress_bar_config(disable=True)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    ref = pipe(prompt="a cat", height=32, width=32, num_inference_steps=2, generator=g,
+               output_type="pil").images[0]  # fmt: skip
+    assert np.array_equal(got, np.asarray(ref))
+    phases = r.json()["nostall"]["phases"]
+    assert phases["denoise"] > 0 and phases["copy"] > 0
