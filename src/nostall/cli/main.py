@@ -702,6 +702,9 @@ def serve(
     prepare: bool = typer.Option(
         True, "--prepare/--no-prepare", help="Build every pipeline's modules at boot."
     ),
+    embed_url: str = typer.Option(
+        None, help="An embedding service (nostall embed-server) for FLUX prompts."
+    ),
 ) -> None:
     """Serve image generation and video decoding over HTTP (OpenAI's images API shape),
     switching pipelines through the model cache. Status page at /, metrics at /metrics."""
@@ -720,12 +723,47 @@ def serve(
             dtype=getattr(torch, _DTYPES[dtype]) if dtype else None,
             max_queue=max_queue,
             prepare=prepare,
+            embed_url=embed_url,
         )
     console.print(
         f"nostall worker: {len(worker.names())} pipelines on {worker.device}; "
         f"http://{host}:{port}/ (status), /v1/images/generations, /v1/videos/decode"
     )
     uvicorn.run(create_app(worker), host=host, port=port, log_level="info")
+
+
+@app.command("embed-server")
+def embed_server(
+    models: str = typer.Option(..., "--models", help="Folder of diffusers pipeline folders."),
+    device: str = typer.Option(None, help="cuda[:N] or cpu (default: cuda if present)."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default)."),
+    port: int = typer.Option(8001, help="Port."),
+    dtype: str = typer.Option(None, help="bf16, fp16 or fp32 (default: as stored)."),
+    cache_gb: float = typer.Option(1.0, help="Byte budget of the embedding cache."),
+    token_budget: int = typer.Option(8192, help="A batch closes at this many tokens..."),
+    max_wait_ms: float = typer.Option(5.0, help="...or this long after its first text."),
+) -> None:
+    """Serve the store's text encoders (T5, UMT5, CLIP): unpooled and pooled embeddings as
+    safetensors, dynamic batching, an exact-match cache."""
+    import torch
+    import uvicorn
+
+    from nostall.serve.embed import EmbeddingService, create_embed_app
+
+    with _option():
+        service = EmbeddingService(
+            models,
+            device=device or _default_device(),
+            dtype=getattr(torch, _DTYPES[dtype]) if dtype else None,
+            cache_bytes=int(cache_gb * 1e9),
+            token_budget=token_budget,
+            max_wait_s=max_wait_ms / 1e3,
+        )
+    console.print(
+        f"nostall embeddings: {len(service.names())} encoders on {service.device}; "
+        f"POST http://{host}:{port}/v1/embeddings"
+    )
+    uvicorn.run(create_embed_app(service), host=host, port=port, log_level="info")
 
 
 @bench_app.command("fp8")

@@ -138,6 +138,7 @@ class Worker:
         prepare: bool = True,
         prefetch: bool = True,
         recent: int = 50,
+        embed_url: str | None = None,
     ):
         from nostall.serve.metrics import WorkerMetrics
 
@@ -159,6 +160,18 @@ class Worker:
         self._running: _Ticket | None = None
         self._thread: threading.Thread | None = None
         self._started_at = time.time()
+        # The embedding service, when configured: FLUX prompts are encoded there, the
+        # request starts before the switch and runs beside it.
+        self._embed = None
+        self._embed_pool = None
+        self._embed_down_said = False
+        if embed_url:
+            from concurrent.futures import ThreadPoolExecutor
+
+            from nostall.serve.client import EmbeddingClient
+
+            self._embed = EmbeddingClient(embed_url)
+            self._embed_pool = ThreadPoolExecutor(1, thread_name_prefix="nostall-embed-client")
 
     # ---- lifecycle ---------------------------------------------------------------
 
@@ -189,6 +202,9 @@ class Worker:
                 log.warning("the running job did not finish within %.0f s of shutdown", timeout)
             self._thread = None
         self.cache.close()
+        if self._embed_pool is not None:
+            self._embed_pool.shutdown(wait=True)
+            self._embed.close()
 
     @property
     def ready(self) -> bool:
@@ -344,13 +360,42 @@ class Worker:
                 return r.as_dict()
         return {}
 
+    def _remote_embeds(self, job: ImageJob) -> dict[str, Any] | None:
+        """FLUX's prompt embeddings from the embedding service (``None``: encode locally)."""
+        t = time.perf_counter()
+        clip = self._embed.encode(f"{job.model}/text_encoder", [job.prompt])
+        t5 = self._embed.encode(
+            f"{job.model}/text_encoder_2", [job.prompt], job.max_sequence_length or 512
+        )
+        return {
+            "prompt_embeds": t5["last_hidden_state"],
+            "pooled_prompt_embeds": clip["pooled"],
+            "service_s": time.perf_counter() - t,
+        }
+
     def _image(self, job: ImageJob, start: float) -> Result:
+        remote = None
+        if self._embed is not None and self.cache.store.entry(job.model).class_name in _REMOTE:
+            remote = self._embed_pool.submit(self._remote_embeds, job)  # beside the switch
         with self.cache.use(job.model) as pipe:
             switched = time.perf_counter()
             report = self._switch_report(job.model)
             clock = _PhaseClock(pipe, self.device)
+            embeds, text_wait = None, 0.0
+            if remote is not None:
+                try:
+                    embeds = remote.result()
+                except NostallError as e:
+                    if not self._embed_down_said:
+                        self._embed_down_said = True
+                        log.warning("embedding service unusable (%s); encoding locally", e)
+                text_wait = time.perf_counter() - switched
             try:
                 kwargs = image_kwargs(pipe, job, self.device)
+                if embeds is not None:
+                    del kwargs["prompt"]
+                    kwargs["prompt_embeds"] = embeds["prompt_embeds"].to(self.device)
+                    kwargs["pooled_prompt_embeds"] = embeds["pooled_prompt_embeds"].to(self.device)
                 with torch.inference_mode():
                     image = pipe(**kwargs).images[0]
                 _sync(self.device)
@@ -360,6 +405,9 @@ class Worker:
         buf = io.BytesIO()
         image.save(buf, format="PNG")
         phases = {"switch": switched - start, **_switch_phases(report), **clock.phases(done)}
+        if embeds is not None:  # the text phase is the wait for the service after the switch
+            phases["text"] = text_wait
+            phases["text_service"] = embeds["service_s"]
         return Result(
             buf.getvalue(), "image/png", phases, report, {"seed": job.seed, "size": image.size}
         )
@@ -418,6 +466,11 @@ class Worker:
             "queue": waiting,
             "recent": list(self.recent),
         }
+
+
+# Pipelines whose prompt embeddings the embedding service computes (the arguments they
+# take: prompt_embeds from T5, pooled_prompt_embeds from CLIP).
+_REMOTE = {"FluxPipeline"}
 
 
 def image_kwargs(pipe: Any, job: ImageJob, device: torch.device) -> dict[str, Any]:

@@ -1,0 +1,169 @@
+"""The embedding service through real HTTP, its client, and the worker using it."""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import Server, _free_port
+
+
+@pytest.fixture
+def embed(store):
+    from nostall.serve.embed import EmbeddingService, create_embed_app
+
+    servers = []
+
+    def start(**kw):
+        kw.setdefault("device", "cpu")
+        service = EmbeddingService(store, **kw)
+        server = Server(create_embed_app(service)).__enter__()
+        servers.append(server)
+        return server, service
+
+    yield start
+    for s in servers:
+        s.__exit__(None, None, None)
+
+
+def _pipeline_embeds(store, prompt, max_sequence_length=16):
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(str(store / "flux"))
+    with torch.no_grad():
+        t5, pooled, _ = pipe.encode_prompt(prompt, prompt_2=None,
+                                           max_sequence_length=max_sequence_length)  # fmt: skip
+    return t5, pooled
+
+
+def test_embeddings_equal_the_pipelines_and_repeat_from_the_cache(embed, store):
+    from nostall.serve.client import EmbeddingClient
+
+    server, service = embed()
+    t5_ref, pooled_ref = _pipeline_embeds(store, "a red fox")
+    with EmbeddingClient(server.url) as c:
+        t5 = c.encode("flux/text_encoder_2", ["a red fox"], 16)
+        clip = c.encode("flux/text_encoder", ["a red fox"])  # the tokenizer's own length
+        assert torch.equal(t5["last_hidden_state"], t5_ref)
+        assert "pooled" not in t5 and torch.equal(clip["pooled"], pooled_ref)
+        before = service.stats()["texts_encoded"]
+        r = httpx.post(f"{server.url}/v1/embeddings",
+                       json={"encoder": "flux/text_encoder_2", "texts": ["a red fox"], "max_length": 16})  # fmt: skip
+        assert r.headers["x-nostall-cache-hits"] == "1"
+        assert service.stats()["texts_encoded"] == before  # nothing encoded again
+    # FLUX-b would share these encoders; the store here names each once
+    assert service.names() == sorted(
+        ["flux/text_encoder", "flux/text_encoder_2", "sdxl/text_encoder", "sdxl/text_encoder_2",
+         "wan/text_encoder"]
+    )  # fmt: skip
+
+
+def test_concurrent_texts_are_batched_by_token_budget(embed):
+    from nostall.serve.client import EmbeddingClient
+
+    server, service = embed(token_budget=16 * 8, max_wait_s=0.05)
+    out = {}
+
+    def one(i):
+        with EmbeddingClient(server.url, timeout=60) as c:
+            out[i] = c.encode("flux/text_encoder_2", [f"prompt number {i}"], 16)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(out) == 32
+    stats = service.stats()
+    assert stats["texts_encoded"] == 32
+    assert stats["batches"] < 32 and stats["batches"] >= 4  # at most 8 texts of 16 per batch
+    with EmbeddingClient(server.url) as c:  # a batched text is what it is alone, to rounding
+        alone = c.encode("flux/text_encoder_2", ["prompt number 3 "], 16)
+    assert alone["last_hidden_state"].shape == out[3]["last_hidden_state"].shape
+
+
+def test_the_cache_keeps_to_its_byte_budget(store):
+    from nostall.serve.embed import EmbeddingService
+
+    service = EmbeddingService(store, device="cpu", cache_bytes=3 * 16 * 32 * 4).start()
+    try:
+        for i in range(5):
+            service.encode("flux/text_encoder_2", [f"text {i}"], 16)
+        assert service.cache.bytes <= service.cache.budget and len(service.cache) < 5
+        _, hits = service.encode("flux/text_encoder_2", ["text 4"], 16)  # the newest stays
+        assert hits == 1
+        _, hits = service.encode("flux/text_encoder_2", ["text 0"], 16)  # the oldest went
+        assert hits == 0
+    finally:
+        service.shutdown()
+
+
+@pytest.mark.parametrize(
+    "body, status, says",
+    [
+        ({"encoder": "flux/text_encoder_9", "texts": ["x"]}, 404, "no text encoder"),
+        ({"encoder": "flux/text_encoder_2", "texts": ["x"], "max_length": 0}, 422, "max_length"),
+        ({"encoder": "flux/text_encoder_2", "texts": []}, 422, "texts"),
+        ({"texts": ["x"]}, 400, "expected"),
+    ],
+)
+def test_bad_embedding_requests_are_clear(embed, body, status, says):
+    server, _ = embed()
+    r = httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=30)
+    assert r.status_code == status and says in r.json()["error"]["message"]
+    ok = {"encoder": "flux/text_encoder_2", "texts": ["x"], "max_length": 8}
+    assert httpx.post(f"{server.url}/v1/embeddings", json=ok, timeout=30).status_code == 200
+
+
+def test_the_client_retries_then_says_unavailable():
+    from nostall.serve.client import EmbeddingClient, EmbeddingUnavailable
+
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    t = time.perf_counter()
+    with (
+        EmbeddingClient(url, timeout=1, retries=2, backoff=0.1) as c,
+        pytest.raises(EmbeddingUnavailable, match="after 3 attempts"),
+    ):
+        c.encode("flux/text_encoder_2", ["x"], 8)
+    assert time.perf_counter() - t >= 0.3  # 0.1 + 0.2 of backoff
+
+
+def _body(**kw):
+    body = {"model": "flux", "prompt": "a cat", "size": "32x32", "steps": 2, "seed": 0,
+            "max_sequence_length": 16}  # fmt: skip
+    body.update(kw)
+    return body
+
+
+def _image(r):
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))))
+
+
+def test_the_worker_encodes_flux_prompts_in_the_service_and_falls_back(embed, serve, store, caplog):
+    embed_server, service = embed()
+    worker_server, _ = serve(prepare=False, embed_url=embed_server.url)
+    local_server, _ = serve(prepare=False)
+    with httpx.Client(timeout=120) as c:
+        local = c.post(f"{local_server.url}/v1/images/generations", json=_body())
+        remote = c.post(f"{worker_server.url}/v1/images/generations", json=_body())
+        assert remote.status_code == 200, remote.text
+        assert np.array_equal(_image(remote), _image(local))  # same bits as encoding locally
+        assert "text_service" in remote.json()["nostall"]["phases"]
+        assert service.stats()["texts_encoded"] == 2  # CLIP and T5, once each
+        embed_server.__exit__(None, None, None)  # the service goes away
+        with caplog.at_level(logging.WARNING, logger="nostall.serve.worker"):
+            for _ in range(2):
+                again = c.post(f"{worker_server.url}/v1/images/generations", json=_body())
+                assert again.status_code == 200
+                assert np.array_equal(_image(again), _image(local))
+        said = [r for r in caplog.records if "encoding locally" in r.getMessage()]
+        assert len(said) == 1
