@@ -732,6 +732,37 @@ def serve(
     uvicorn.run(create_app(worker), host=host, port=port, log_level="info")
 
 
+@app.command()
+def fleet(
+    models: str = typer.Option(..., "--models", help="Folder of diffusers pipeline folders."),
+    replicas: int = typer.Option(..., "--replicas", help="Workers, one per GPU."),
+    device: str = typer.Option("cuda", help="cuda (one GPU per worker) or cpu."),
+    host: str = typer.Option("127.0.0.1", help="Address of Ray Serve's HTTP proxy."),
+    port: int = typer.Option(8000, help="Port."),
+    gpu_budget_gb: float = typer.Option(None, help="Each worker's device tier."),
+    host_budget_gb: float = typer.Option(None, help="Each worker's pinned host tier."),
+    address: str = typer.Option(None, help="A running Ray cluster (default: start one here)."),
+) -> None:
+    """Run workers on Ray Serve, one per GPU, behind a router that sends each request to
+    the worker that can serve its model soonest (GPU, then host memory, then disk)."""
+    import ray
+    from ray import serve as ray_serve
+
+    from nostall.serve.fleet import build_fleet
+
+    opts = {}
+    if gpu_budget_gb:
+        opts["gpu_budget"] = int(gpu_budget_gb * 1e9)
+    if host_budget_gb:
+        opts["host_budget"] = int(host_budget_gb * 1e9)
+    with _option():
+        app_ = build_fleet(models, replicas=replicas, device=device, worker_options=opts)
+    ray.init(address=address, include_dashboard=False)
+    ray_serve.start(http_options={"host": host, "port": port})
+    console.print(f"nostall fleet: {replicas} workers; http://{host}:{port}/v1/images/generations")
+    ray_serve.run(app_, name="nostall", route_prefix="/", blocking=True)
+
+
 @app.command("embed-server")
 def embed_server(
     models: str = typer.Option(..., "--models", help="Folder of diffusers pipeline folders."),

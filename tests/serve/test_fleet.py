@@ -1,0 +1,82 @@
+"""The fleet on a local Ray instance with two CPU workers: a second request for a model
+lands on the worker that loaded it; an unseen model goes to the other, idle one."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from conftest import _free_port
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+
+@pytest.fixture(scope="module")
+def fleet_url(store):
+    from nostall.serve.fleet import build_fleet
+
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        object_store_memory=128 << 20,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+    )
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = build_fleet(
+        str(store),
+        replicas=2,
+        device="cpu",
+        worker_options={"gpu_budget": 8 << 20, "host_budget": 32 << 20, "prepare": False},
+    )
+    serve.run(app, name="nostall", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _post(url, model):
+    body = {"model": model, "prompt": "a cat", "size": "32x32", "steps": 2, "seed": 1}
+    if model == "flux":
+        body["max_sequence_length"] = 16
+    r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_requests_go_where_the_model_is(fleet_url):
+    first = _post(fleet_url, "flux")
+    w = int(first.headers["x-nostall-worker"])
+    assert first.headers["x-nostall-routed-tier"] == "disk"
+    other = _post(fleet_url, "sdxl")  # unseen: the idle worker, at once
+    assert int(other.headers["x-nostall-worker"]) == 1 - w
+    again = _post(fleet_url, "flux")
+    assert int(again.headers["x-nostall-worker"]) == w
+    assert again.headers["x-nostall-routed-tier"] in ("gpu", "device")
+    again_b = _post(fleet_url, "sdxl")
+    assert int(again_b.headers["x-nostall-worker"]) == 1 - w
+    state = httpx.get(f"{fleet_url}/fleet").json()
+    assert [r["worker"] for r in state["routed"]] == [w, 1 - w, w, 1 - w]
+
+
+def test_the_fleet_answers_bad_requests_clearly(fleet_url):
+    r = httpx.post(f"{fleet_url}/v1/images/generations", json={"model": "nope", "prompt": "x"})
+    assert r.status_code == 404 and "flux" in r.json()["error"]["models"]
+    r = httpx.post(f"{fleet_url}/v1/images/generations", content=b"{oops")
+    assert r.status_code == 400
+    r = httpx.post(f"{fleet_url}/v1/images/generations",
+                   json={"model": "sdxl", "prompt": "x", "steps": 0}, timeout=120)  # fmt: skip
+    assert r.status_code == 422 and "steps" in r.json()["error"]["message"]
+
+
+def test_route_cost_orders_gpu_host_disk_then_queue():
+    from nostall.serve.fleet import _tier, route_cost
+
+    gb = 10**9
+    assert route_cost("gpu", 30 * gb, 0, 2.0) == 0
+    assert 0 < route_cost("host", 30 * gb, 0, 2.0) < route_cost("disk", 30 * gb, 0, 2.0)
+    # a busy worker that holds the model can lose to an idle one with it in host memory
+    assert route_cost("gpu", 30 * gb, 3, 2.0) > route_cost("host", 30 * gb, 0, 2.0)
+    assert _tier(["gpu", "host"]) == "host" and _tier(None) == "disk" and _tier(["gpu"]) == "gpu"
