@@ -797,6 +797,51 @@ def embed_server(
     uvicorn.run(create_embed_app(service), host=host, port=port, log_level="info")
 
 
+@bench_app.command("serve")
+def bench_serve(
+    models: str = typer.Option(None, help="Pipeline store (default: tiny FLUX/SDXL/SD3)."),
+    device: str = typer.Option(None, help="cuda or cpu."),
+    part: list[str] = typer.Option(  # noqa: B008
+        None, "--part", help="worker, fleet, embed (repeatable). Default: all."
+    ),
+    clients: int = typer.Option(16, help="Concurrent clients of the worker and the fleet."),
+    requests: int = typer.Option(96, help="Requests in the mixed stream."),
+    size: int = typer.Option(256, help="Image side in pixels."),
+    steps: int = typer.Option(4, help="Denoising steps per request."),
+    replicas: int = typer.Option(2, help="Fleet workers (one GPU each)."),
+    encoder: str = typer.Option("flux/text_encoder_2", help="Encoder the embed part loads."),
+    texts_each: int = typer.Option(8, help="Texts per embedding client (32 clients)."),
+    work: str = typer.Option(None, help="Folder for the written store."),
+    out: str = typer.Option(f"{_BENCH_OUT}/serve.json", help="JSON report path."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing report."),
+) -> None:
+    """The worker, the Ray Serve fleet and the embedding service under concurrent load."""
+    from nostall.bench.load import check_new_output, write_report
+    from nostall.bench.serve import PARTS, run_serve_bench
+
+    with _option("--out"):
+        check_new_output(out, overwrite=overwrite)
+    with _option():
+        report = run_serve_bench(
+            models=models,
+            device=device or _default_device(),
+            parts=tuple(part) if part else PARTS,
+            clients=clients,
+            requests=requests,
+            size=size,
+            steps=steps,
+            replicas=replicas,
+            encoder=encoder,
+            texts_each=texts_each,
+            work=work,
+            log=lambda m: console.print(m, highlight=False),
+        )
+    with _option("--out"):
+        write_report(report, out, overwrite=overwrite)
+    _print_targets(report["targets"])
+    console.print(f"report written to {out}")
+
+
 @bench_app.command("fp8")
 def bench_fp8(
     size: str = typer.Option("full", help="full (FLUX.1-dev transformer, 23.8 GB) or tiny."),

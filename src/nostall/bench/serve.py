@@ -1,0 +1,355 @@
+"""``nostall bench serve``: the worker, the fleet and the embedding service under load,
+through real HTTP on loopback.
+
+* **worker**: ``clients`` threads send a mixed stream of three pipelines (FLUX, SDXL,
+  SD3 layouts) to ``nostall serve``'s app; a 429 is honoured (the client waits and sends
+  again). Checked: every request answered once, with its own model and seed; after the
+  first pass over the three pipelines, the share of requests whose switch found every
+  component in memory (GPU or pinned host tier). Reported: p50/p99 latency, throughput.
+* **fleet** (Ray Serve, ``replicas`` workers, one GPU each on a GPU machine): the same
+  stream through the router; the share of warm requests routed to a worker already
+  holding their pipeline on the device, and throughput against a fleet of one.
+* **embed**: 32 clients, one text per request, against the embedding service batching
+  one text at a time (token budget = one text) and dynamically (8192 tokens, 5 ms);
+  then the end-to-end latency of a cache hit.
+
+The report's ``targets`` are issue #11's.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from nostall.bench.load import _commit, _hardware
+
+__all__ = ["evaluate_targets", "run_serve_bench"]
+
+PARTS = ("worker", "fleet", "embed")
+PIPELINES = ("flux", "sdxl", "sd3")
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+class _BackgroundServer:
+    def __init__(self, app):
+        import socket
+
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(120)
+
+
+def _stream(n: int) -> list[tuple[str, int]]:
+    """(pipeline, seed) in a fixed mixed order: runs of 1-3 of one pipeline."""
+    import random
+
+    rng = random.Random(0)
+    out: list[tuple[str, int]] = [(p, i) for i, p in enumerate(PIPELINES)]  # warm-up pass
+    while len(out) < n:
+        p = rng.choice(PIPELINES)
+        out += [(p, len(out) + k) for k in range(rng.randint(1, 3))]
+    return out[:n]
+
+
+def _drive(url: str, stream, clients: int, size: int, steps: int) -> dict[str, Any]:
+    """Send ``stream`` from ``clients`` threads; collect what came back."""
+    import httpx
+
+    lock = threading.Lock()
+    todo = list(enumerate(stream))
+    answers: dict[int, dict[str, Any]] = {}
+    rejected = 0
+
+    def client():
+        nonlocal rejected
+        with httpx.Client(timeout=600) as c:
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    k, (model, seed) = todo.pop(0)
+                body = {"model": model, "prompt": f"request {k}", "size": f"{size}x{size}",
+                        "steps": steps, "seed": seed}  # fmt: skip
+                if model == "flux":
+                    body["max_sequence_length"] = 64
+                t = time.perf_counter()
+                while True:
+                    r = c.post(f"{url}/v1/images/generations", json=body)
+                    if r.status_code != 429:
+                        break
+                    with lock:
+                        rejected += 1
+                    time.sleep(float(r.headers.get("retry-after", "1")) * 0.05)
+                latency = time.perf_counter() - t
+                out = r.json() if r.status_code == 200 else {"error": r.text}
+                with lock:
+                    answers[k] = {"status": r.status_code, "latency": latency, "model": model,
+                                  "seed": seed, "body": out,
+                                  "worker": r.headers.get("x-nostall-worker"),
+                                  "routed_tier": r.headers.get("x-nostall-routed-tier")}  # fmt: skip
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ok = [a for a in answers.values() if a["status"] == 200]
+    mixed = sum(
+        1 for a in ok if a["body"]["nostall"]["model"] != a["model"]
+        or a["body"]["nostall"]["seed"] != a["seed"]
+    )  # fmt: skip
+    lat = [a["latency"] for a in ok]
+    return {
+        "requests": len(stream),
+        "answered_200": len(ok),
+        "lost_or_failed": len(stream) - len(ok),
+        "mixed_up": mixed,
+        "rejected_429_retried": rejected,
+        "wall_s": wall,
+        "throughput_per_s": len(ok) / wall,
+        "latency_p50_s": _pct(lat, 0.5) if lat else None,
+        "latency_p99_s": _pct(lat, 0.99) if lat else None,
+        "answers": answers,
+    }
+
+
+def _worker_part(models, device, clients, n, size, steps, budgets, log) -> dict[str, Any]:
+    from nostall.serve.app import create_app
+    from nostall.serve.worker import Worker
+
+    worker = Worker(models, device=device, max_queue=clients // 2, **budgets)
+    with _BackgroundServer(create_app(worker)) as srv:
+        res = _drive(srv.url, _stream(n), clients, size, steps)
+    warm = [a for k, a in res.pop("answers").items() if k >= len(PIPELINES)]
+    memory = [
+        a for a in warm
+        if a["status"] == 200 and {c["tier"] for c in a["body"]["nostall"]["switch"]["components"]}
+        <= {"gpu", "device", "host"}
+    ]  # fmt: skip
+    res["warm_requests"] = len(warm)
+    res["warm_switches_from_memory_share"] = len(memory) / len(warm) if warm else None
+    log(
+        f"worker: {res['answered_200']}/{res['requests']} answered, {res['mixed_up']} mixed up, "
+        f"{res['rejected_429_retried']} 429s retried, {res['throughput_per_s']:.2f} req/s, "
+        f"p50 {res['latency_p50_s']:.3f} s, p99 {res['latency_p99_s']:.3f} s, warm switches "
+        f"from memory {res['warm_switches_from_memory_share']:.2%}"
+    )
+    return res
+
+
+def _fleet_part(models, device, clients, n, size, steps, replicas, budgets, log) -> dict:
+    import socket
+
+    import ray
+    from ray import serve
+
+    from nostall.serve.fleet import build_fleet
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    url = f"http://127.0.0.1:{port}"
+    out: dict[str, Any] = {}
+    try:
+        for count in sorted({1, replicas}):
+            app = build_fleet(str(models), replicas=count, device=device,
+                              worker_options={**budgets, "max_queue": clients})  # fmt: skip
+            serve.run(app, name=f"fleet{count}", route_prefix="/")
+            res = _drive(url, _stream(n), clients, size, steps)
+            serve.delete(f"fleet{count}")
+            answers = res.pop("answers")
+            warm = [a for k, a in answers.items() if k >= len(PIPELINES) * count]
+            holding = [a for a in warm if a["routed_tier"] in ("gpu", "device")]
+            res["warm_on_holding_worker_share"] = len(holding) / len(warm) if warm else None
+            res["per_worker"] = {
+                w: sum(1 for a in answers.values() if a["worker"] == w)
+                for w in sorted({a["worker"] for a in answers.values()})
+            }
+            out[f"replicas_{count}"] = res
+            log(
+                f"fleet x{count}: {res['throughput_per_s']:.2f} req/s, warm on holding worker "
+                f"{res['warm_on_holding_worker_share']:.2%}, per worker {res['per_worker']}"
+            )
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    one, many = out.get("replicas_1"), out.get(f"replicas_{replicas}")
+    if one and many and replicas > 1:
+        out["throughput_vs_one"] = many["throughput_per_s"] / one["throughput_per_s"]
+    return out
+
+
+def _embed_part(models, device, encoder, clients, texts_each, log) -> dict[str, Any]:
+    import httpx
+
+    from nostall.serve.client import EmbeddingClient
+    from nostall.serve.embed import EmbeddingService, create_embed_app
+
+    max_length = 512 if encoder.endswith("text_encoder_2") else 77
+    out: dict[str, Any] = {"encoder": encoder, "clients": clients, "max_length": max_length}
+    for label, budget in (("one_at_a_time", max_length), ("batched", 8192)):
+        service = EmbeddingService(models, device=device, token_budget=budget, max_wait_s=0.005)
+        with _BackgroundServer(create_embed_app(service)) as srv:
+            with EmbeddingClient(srv.url, timeout=600) as c:
+                c.encode(encoder, ["warm-up"], max_length)  # loads the encoder
+
+            def client(i, url=srv.url, label=label):
+                with EmbeddingClient(url, timeout=600) as c:
+                    for j in range(texts_each):
+                        c.encode(encoder, [f"{label} client {i} text {j}"], max_length)
+
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+            t = time.perf_counter()
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            wall = time.perf_counter() - t
+            stats = service.stats()
+            out[label] = {
+                "texts": clients * texts_each,
+                "wall_s": wall,
+                "texts_per_s": clients * texts_each / wall,
+                "batches": stats["batches"] - 1,
+            }
+            if label == "batched":
+                body = {"encoder": encoder, "texts": ["a cached prompt"], "max_length": max_length}
+                with httpx.Client() as h:
+                    h.post(f"{srv.url}/v1/embeddings", json=body)
+                    hits = []
+                    for _ in range(50):
+                        t1 = time.perf_counter()
+                        r = h.post(f"{srv.url}/v1/embeddings", json=body)
+                        hits.append(time.perf_counter() - t1)
+                        assert r.headers["x-nostall-cache-hits"] == "1"
+                out["cache_hit_ms_p50"] = _pct(hits, 0.5) * 1e3
+        log(
+            f"embed {label}: {out[label]['texts_per_s']:.1f} texts/s in {out[label]['batches']} batches"
+        )
+    out["batching_speedup"] = out["batched"]["texts_per_s"] / out["one_at_a_time"]["texts_per_s"]
+    log(
+        f"embed: batching {out['batching_speedup']:.2f}x, cache hit {out['cache_hit_ms_p50']:.2f} ms"
+    )
+    return out
+
+
+def run_serve_bench(
+    *,
+    models: str | None = None,
+    device: str = "cuda",
+    parts: tuple[str, ...] = PARTS,
+    clients: int = 16,
+    requests: int = 96,
+    size: int = 256,
+    steps: int = 4,
+    replicas: int = 2,
+    encoder: str = "flux/text_encoder_2",
+    embed_clients: int = 32,
+    texts_each: int = 8,
+    work: str | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Run the parts; ``models`` defaults to a store of tiny random FLUX, SDXL and SD3
+    pipelines written into ``work``."""
+    import torch
+
+    from nostall.errors import ArgumentError
+
+    bad = sorted(set(parts) - set(PARTS))
+    if bad or not parts:
+        raise ArgumentError(f"parts must be some of {PARTS}, got {tuple(parts)!r}")
+    if models is None:
+        from nostall.bench.stores import write_store
+
+        work = work or tempfile.mkdtemp(prefix="nostall-serve-")
+        models = os.path.join(work, "store")
+        if not os.path.isdir(models):
+            write_store(models, PIPELINES)
+    dev = torch.device(device)
+    budgets: dict[str, Any] = {}
+    report: dict = {
+        "benchmark": "serve",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "hardware": _hardware(dev),
+        "config": {
+            "models": str(models),
+            "parts": list(parts),
+            "clients": clients,
+            "requests": requests,
+            "size": size,
+            "steps": steps,
+            "replicas": replicas,
+            "encoder": encoder,
+            "embed_clients": embed_clients,
+            "texts_each": texts_each,
+        },
+        "results": {},
+    }
+    res = report["results"]
+    if "worker" in parts:
+        res["worker"] = _worker_part(models, device, clients, requests, size, steps, budgets, log)
+    if "fleet" in parts:
+        res["fleet"] = _fleet_part(
+            models, device, clients, requests, size, steps, replicas, budgets, log
+        )
+    if "embed" in parts:
+        res["embed"] = _embed_part(models, device, encoder, embed_clients, texts_each, log)
+    report["targets"] = evaluate_targets(report)
+    return report
+
+
+def evaluate_targets(report: dict) -> dict[str, dict]:
+    res = report["results"]
+    t: dict[str, dict] = {}
+
+    def target(name: str, value, op: str, threshold: float) -> None:
+        met = None if value is None else (value <= threshold if op == "<=" else value >= threshold)
+        t[name] = {"value": value, "threshold": threshold, "op": op, "met": met}
+
+    w = res.get("worker", {})
+    target("worker_lost_or_mixed_up", None if not w else w["lost_or_failed"] + w["mixed_up"],
+           "<=", 0)  # fmt: skip
+    target("worker_warm_switches_from_memory_share", w.get("warm_switches_from_memory_share"),
+           ">=", 1.0)  # fmt: skip
+    f = res.get("fleet", {})
+    many = f.get(f"replicas_{report['config'].get('replicas')}", {})
+    target("fleet_warm_on_holding_worker_share", many.get("warm_on_holding_worker_share"),
+           ">=", 0.9)  # fmt: skip
+    target("fleet_throughput_vs_one", f.get("throughput_vs_one"), ">=", 1.8)
+    e = res.get("embed", {})
+    target("embed_batching_speedup", e.get("batching_speedup"), ">=", 4.0)
+    target("embed_cache_hit_ms", e.get("cache_hit_ms_p50"), "<=", 2.0)
+    return t
