@@ -22,6 +22,7 @@ def test_all_is_exactly_the_public_surface():
         "cli",
         "demo",
         "quant",
+        "serve",
     }
     assert set(nostall.__all__) - {"__version__"} == public
     for name in ("load_state_dict", "load_model", "PinnedPool", "NostallError", "CheckpointError"):
