@@ -212,3 +212,29 @@ def run_switch_demo(*, device: str, folder: str | None = None) -> tuple[list, bo
                     equal &= bool(np.array_equal(image(pipe, name), refs[name]))
                 reports.append(cache.last_report)
         return reports, equal
+
+
+def run_fp8_demo(*, device: str) -> dict:
+    """Quantize a tiny random FLUX transformer with :func:`nostall.quantize`, load both with
+    :func:`nostall.load_model`, run one forward on the same inputs: bytes, the compute path
+    the FP8 layers took, and the output's SQNR against bf16."""
+    import nostall
+    from nostall.bench.fp8 import _folder_bytes, _inputs, sqnr_db, write_transformer
+    from nostall.quant.modules import fp8_compute
+
+    dev = torch.device(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = write_transformer(os.path.join(tmp, "bf16"), "tiny", dev)
+        dst = os.path.join(tmp, "fp8")
+        report = nostall.quantize(src, dst)
+        ref = nostall.load_model(src, device=dev).eval()
+        fp8 = nostall.load_model(dst, device=dev).eval()
+        inputs = _inputs(ref, "tiny", dev)
+        with torch.inference_mode():
+            a, b = ref(**inputs)[0], fp8(**inputs)[0]
+        return {
+            "quantized": report.quantized,
+            "bytes": (_folder_bytes(src), _folder_bytes(dst)),
+            "compute": fp8_compute(dev),
+            "sqnr_db": sqnr_db(a, b),
+        }

@@ -154,6 +154,20 @@ def demo(
         console.print(
             "Every image equal to the same pipeline from diffusers' from_pretrained, bit for bit."
         )
+        from nostall.demo import run_fp8_demo
+
+        fp8 = run_fp8_demo(device=device)
+        bf16_b, fp8_b = fp8["bytes"]
+        console.print(
+            f"FP8: nostall quantize converted {fp8['quantized']} linear weights of a tiny FLUX "
+            f"transformer, {bf16_b / 1e6:.2f} → {fp8_b / 1e6:.2f} MB ({fp8_b / bf16_b:.2f}x; "
+            f"the same rules on the full FLUX.1-dev layout: 0.50x); its linear layers: "
+            f"{fp8['compute'][0]} "
+            f"({fp8['compute'][1]}); output SQNR vs bf16 {fp8['sqnr_db']:.1f} dB"
+        )
+        if not fp8["sqnr_db"] > 20:
+            console.print("[red]the FP8 transformer's output is far from bf16's[/red]")
+            raise typer.Exit(1)
     if video:
         from nostall.demo import run_video_demo
 
