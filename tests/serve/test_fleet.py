@@ -80,3 +80,27 @@ def test_route_cost_orders_gpu_host_disk_then_queue():
     # a busy worker that holds the model can lose to an idle one with it in host memory
     assert route_cost("gpu", 30 * gb, 3, 2.0) > route_cost("host", 30 * gb, 0, 2.0)
     assert _tier(["gpu", "host"]) == "host" and _tier(None) == "disk" and _tier(["gpu"]) == "gpu"
+
+
+def test_a_worker_killed_mid_request_is_retried_on_the_other(fleet_url):
+    # Last in this module: the killed worker's replica restarts behind it.
+    import threading
+    import time
+
+    holder = int(_post(fleet_url, "flux").headers["x-nostall-worker"])
+    result = {}
+
+    def slow():
+        body = {"model": "flux", "prompt": "a slow cat", "size": "256x256", "steps": 40,
+                "seed": 5, "max_sequence_length": 16}  # fmt: skip
+        result["r"] = httpx.post(f"{fleet_url}/v1/images/generations", json=body, timeout=600)
+
+    t = threading.Thread(target=slow)
+    t.start()
+    time.sleep(1.0)  # it runs on the worker holding flux
+    name = httpx.get(f"{fleet_url}/fleet").json()["workers"][holder]["actor"]
+    ray.kill(ray.get_actor(name, namespace="serve"))
+    t.join(600)
+    r = result["r"]
+    assert r.status_code == 200, r.text
+    assert int(r.headers["x-nostall-worker"]) == 1 - holder  # served by the other worker

@@ -89,9 +89,12 @@ def build_fleet(
     @serve.deployment(num_replicas=1, ray_actor_options={"num_gpus": gpus, "num_cpus": 1})
     class FleetWorker:
         def __init__(self, index: int):
+            import ray
+
             from nostall.serve.worker import Worker
 
             self.index = index
+            self.actor = ray.get_runtime_context().get_actor_name()  # for operators (and tests)
             self.worker = Worker(models, device=device, **opts).start()
 
         async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -120,7 +123,12 @@ def build_fleet(
 
         def state(self) -> dict[str, Any]:
             s = self.worker.status()
-            return {"index": self.index, "models": s["models"], "queue": len(s["queue"])}
+            return {
+                "index": self.index,
+                "actor": self.actor,
+                "models": s["models"],
+                "queue": len(s["queue"]),
+            }
 
         def __del__(self):
             w = getattr(self, "worker", None)
@@ -147,6 +155,7 @@ def build_fleet(
                 for n in self.names
             }
             self.models: list[dict[str, list[str]]] = [{} for _ in self.workers]
+            self.actors: list[str | None] = [None] * len(self.workers)
             self.in_flight = [0] * len(self.workers)
             self.down_until = [0.0] * len(self.workers)
             self.request_s = _REQUEST_S
@@ -217,6 +226,7 @@ def build_fleet(
                 finally:
                     self.in_flight[i] -= 1
                 self.models[i] = out["state"]["models"]
+                self.actors[i] = out["state"].get("actor")
                 if "error" in out:
                     status, kind, message = out["error"]
                     return JSONResponse({"error": {"type": kind, "message": message}}, status)
@@ -255,6 +265,7 @@ def build_fleet(
                 "workers": [
                     {
                         "index": i,
+                        "actor": self.actors[i],
                         "models": self.models[i],
                         "in_flight": self.in_flight[i],
                         "down": self.down_until[i] > time.monotonic(),
