@@ -211,6 +211,40 @@ def _fleet_part(models, device, clients, n, size, steps, replicas, budgets, log)
     return out
 
 
+def write_t5_store(folder: str, device: str, progress=None) -> str:
+    """A store holding one "pipeline", ``t5xxl``, with a real-size T5-XXL encoder (random
+    weights, bf16, 9.5 GB) and the offline T5 tokenizer: what the embedding part encodes
+    with on the GPU machine (the tiny stores' T5 is too small to show batching)."""
+    import json
+
+    import torch
+
+    from nostall.bench.fullstores import _t5_xxl, _write_weights
+    from nostall.bench.stores import _t5_tokenizer
+
+    root = os.path.join(folder, "t5xxl")
+    sub = os.path.join(root, "text_encoder_2")
+    if os.path.exists(os.path.join(root, "model_index.json")):
+        return folder
+    os.makedirs(sub, exist_ok=True)
+    with torch.device("meta"):
+        module = _t5_xxl()
+    module.config.torch_dtype = torch.bfloat16
+    module.config.architectures = ["T5EncoderModel"]
+    module.config.save_pretrained(sub)
+    gen = device if torch.device(device).type == "cuda" else "cpu"
+    _write_weights(module, sub, "model", torch.bfloat16, torch.device(gen), 7, progress, "t5xxl")
+    _t5_tokenizer(512).save_pretrained(os.path.join(root, "tokenizer_2"))
+    index = {
+        "_class_name": "FluxPipeline",
+        "text_encoder_2": ["transformers", "T5EncoderModel"],
+        "tokenizer_2": ["transformers", "T5TokenizerFast"],
+    }
+    with open(os.path.join(root, "model_index.json"), "w") as f:
+        json.dump(index, f)
+    return folder
+
+
 def _embed_part(models, device, encoder, clients, texts_each, log) -> dict[str, Any]:
     import httpx
 
@@ -326,7 +360,14 @@ def run_serve_bench(
             models, device, clients, requests, size, steps, replicas, budgets, log
         )
     if "embed" in parts:
-        res["embed"] = _embed_part(models, device, encoder, embed_clients, texts_each, log)
+        embed_models = models
+        if encoder == "t5xxl/text_encoder_2":  # the real-size encoder, written on demand
+            embed_models = write_t5_store(
+                os.path.join(work or tempfile.mkdtemp(prefix="nostall-serve-"), "t5store"),
+                device,
+                progress=log,
+            )
+        res["embed"] = _embed_part(embed_models, device, encoder, embed_clients, texts_each, log)
     report["targets"] = evaluate_targets(report)
     return report
 

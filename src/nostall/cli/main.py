@@ -823,7 +823,10 @@ def bench_serve(
     size: int = typer.Option(256, help="Image side in pixels."),
     steps: int = typer.Option(4, help="Denoising steps per request."),
     replicas: int = typer.Option(2, help="Fleet workers (one GPU each)."),
-    encoder: str = typer.Option("flux/text_encoder_2", help="Encoder the embed part loads."),
+    encoder: str = typer.Option(
+        "flux/text_encoder_2",
+        help="Encoder the embed part loads; t5xxl/text_encoder_2 writes a real-size T5-XXL.",
+    ),
     texts_each: int = typer.Option(8, help="Texts per embedding client (32 clients)."),
     work: str = typer.Option(None, help="Folder for the written store."),
     out: str = typer.Option(f"{_BENCH_OUT}/serve.json", help="JSON report path."),
