@@ -148,7 +148,7 @@ def test_video_decode_returns_an_mp4_of_the_latents(serve, store):
     import av
     from safetensors.torch import save
 
-    server, _ = serve(prepare=False)
+    server, worker = serve(prepare=False)
     g = torch.Generator().manual_seed(0)
     from diffusers import AutoencoderKLWan
 
@@ -160,6 +160,12 @@ def test_video_decode_returns_an_mp4_of_the_latents(serve, store):
     assert r.headers["content-type"] == "video/mp4" and r.headers["x-nostall-frames"] == "9"
     with av.open(io.BytesIO(r.content)) as f:
         assert sum(1 for _ in f.decode(video=0)) == 9
+    assert r.headers["x-nostall-switch-tiers"] == "disk"
+    again = httpx.post(f"{server.url}/v1/videos/decode", params={"model": "wan"},
+                       content=save({"latents": z}), timeout=120)  # fmt: skip
+    assert again.status_code == 200 and again.headers["x-nostall-switch-tiers"] == "gpu"
+    # only the VAE was loaded: the Wan transformer and text encoder never moved
+    assert not any(rep.pipeline == "wan" for rep in worker.cache.reports)
     bad = httpx.post(f"{server.url}/v1/videos/decode", params={"model": "wan"}, content=b"junk")
     assert bad.status_code == 400
     bad = httpx.post(f"{server.url}/v1/videos/decode", params={"model": "wan", "mode": "turbo"},

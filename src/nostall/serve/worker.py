@@ -11,7 +11,8 @@ records where each request's time went:
             and the tier each component came from);
 ``text``    text encoders; ``denoise`` first to last denoiser call; ``decode`` the VAE
             and post-processing after the last denoiser call (image requests);
-``decode``  Wan latents → MP4 through the asynchronous frame pipeline (video requests).
+``decode``  Wan latents → MP4 through the asynchronous frame pipeline (video requests;
+            the pipeline's VAE alone is loaded for them, and kept: ``switch`` is its load).
 
 A full queue refuses at once (:class:`QueueFull`, HTTP 429); a shutdown stops taking
 jobs, fails the queued ones (:class:`ShuttingDown`, HTTP 503), lets the running one
@@ -28,7 +29,7 @@ import random
 import tempfile
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,6 +161,7 @@ class Worker:
         self._running: _Ticket | None = None
         self._thread: threading.Thread | None = None
         self._started_at = time.time()
+        self._vaes: OrderedDict[str, Any] = OrderedDict()  # decode-only VAEs, by pipeline
         # The embedding service, when configured: FLUX prompts are encoded there, the
         # request starts before the switch and runs beside it.
         self._embed = None
@@ -412,33 +414,47 @@ class Worker:
             buf.getvalue(), "image/png", phases, report, {"seed": job.seed, "size": image.size}
         )
 
+    def _vae(self, name: str) -> tuple[Any, dict[str, Any]]:
+        """``name``'s VAE alone (a decode needs neither its transformer nor its text
+        encoders): loaded with :func:`nostall.load_model` on first use and kept, the four
+        most recently used, beside the cache's tiers."""
+        import nostall
+
+        vae = self._vaes.get(name)
+        if vae is not None:
+            self._vaes.move_to_end(name)
+            return vae, {"components": [{"role": "vae", "tier": "gpu"}]}
+        c = self.cache.store.entry(name).components.get("vae")
+        if c is None:
+            raise ArgumentError(f"pipeline {name!r} has no vae to decode latents with")
+        vae = nostall.load_model(c.folder, device=self.device).eval()
+        self._vaes[name] = vae
+        while len(self._vaes) > 4:
+            self._vaes.popitem(last=False)
+        return vae, {"components": [{"role": "vae", "tier": "disk"}]}
+
     def _video(self, job: VideoJob, start: float) -> Result:
         from nostall.video import decode_to_file, denormalize
 
-        with self.cache.use(job.model) as pipe:
-            switched = time.perf_counter()
-            report = self._switch_report(job.model)
-            vae = getattr(pipe, "vae", None)
-            if vae is None:
-                raise ArgumentError(f"pipeline {job.model!r} has no vae to decode latents with")
-            dtype = next(vae.parameters()).dtype
-            z = job.latents.to(self.device, dtype)
-            if job.denormalize:
-                z = denormalize(vae, z)
-            fd, path = tempfile.mkstemp(suffix=".mp4", prefix="nostall-decode-")
-            os.close(fd)
-            os.remove(path)  # decode_to_file writes a temporary name and renames into it
-            try:
-                t = time.perf_counter()
-                with torch.inference_mode():
-                    out = decode_to_file(vae, z, path, fps=job.fps, mode=job.mode)
-                decode_s = time.perf_counter() - t
-                with open(path, "rb") as f:
-                    body = f.read()
-            finally:
-                if os.path.exists(path):
-                    os.remove(path)
-        phases = {"switch": switched - start, **_switch_phases(report), "decode": decode_s}
+        vae, report = self._vae(job.model)
+        switched = time.perf_counter()
+        z = job.latents.to(self.device, next(vae.parameters()).dtype)
+        if job.denormalize:
+            z = denormalize(vae, z)
+        fd, path = tempfile.mkstemp(suffix=".mp4", prefix="nostall-decode-")
+        os.close(fd)
+        os.remove(path)  # decode_to_file writes a temporary name and renames into it
+        try:
+            t = time.perf_counter()
+            with torch.inference_mode():
+                out = decode_to_file(vae, z, path, fps=job.fps, mode=job.mode)
+            decode_s = time.perf_counter() - t
+            with open(path, "rb") as f:
+                body = f.read()
+        finally:
+            if os.path.exists(path):
+                os.remove(path)
+        phases = {"switch": switched - start, "decode": decode_s}
         return Result(body, "video/mp4", phases, report, {"frames": out.frames})
 
     # ---- what the status page shows ----------------------------------------------------
