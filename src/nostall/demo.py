@@ -219,7 +219,8 @@ def run_fp8_demo(*, device: str) -> dict:
     :func:`nostall.load_model`, run one forward on the same inputs: bytes, the compute path
     the FP8 layers took, and the output's SQNR against bf16."""
     import nostall
-    from nostall.bench.fp8 import _folder_bytes, _inputs, sqnr_db, write_transformer
+    from nostall.bench.fp8 import _folder_bytes, _inputs, write_transformer
+    from nostall.quant.check import sqnr_db
     from nostall.quant.modules import fp8_compute
 
     dev = torch.device(device)

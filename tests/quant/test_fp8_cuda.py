@@ -41,7 +41,8 @@ def test_fp8_transformer_runs_on_tensor_cores_close_to_bf16(tmp_path):
     _fits_tensor_cores()
     from torchao.quantization import Float8Tensor
 
-    from nostall.bench.fp8 import _inputs, sqnr_db, write_transformer
+    from nostall.bench.fp8 import _inputs, write_transformer
+    from nostall.quant.check import sqnr_db
 
     src = write_transformer(str(tmp_path / "bf16"), "tiny", torch.device("cuda"))
     nostall.quantize(src, tmp_path / "fp8")

@@ -1,9 +1,6 @@
 from __future__ import annotations
 
 import logging
-import socket
-import threading
-import time
 
 import pytest
 
@@ -22,36 +19,9 @@ def store(tmp_path_factory):
     return folder
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """uvicorn serving ``app`` on loopback in a thread: real HTTP."""
-
-    def __init__(self, app):
-        import uvicorn
-
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> Server:
-        self.thread.start()
-        deadline = time.time() + 60
-        while not self.server.started:
-            if time.time() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)
+# shared with the tests of this folder (test_embed, test_fleet, test_cli_serve)
+from nostall.serve.local import BackgroundServer as Server  # noqa: E402
+from nostall.serve.local import free_port as _free_port  # noqa: E402, F401
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 from nostall.bench.load import _commit, _hardware
+from nostall.quant.check import sqnr_db
 
 __all__ = ["evaluate_targets", "run_fp8_bench"]
 
@@ -156,12 +157,6 @@ def _switch_hits(folder: str, dev: torch.device, repeat: int, nbytes: int) -> fl
             times.append(time.perf_counter() - t)
     del flat
     return statistics.median(times)
-
-
-def sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
-    ref, got = ref.float(), got.float()
-    noise = (ref - got).pow(2).mean()
-    return float(10 * torch.log10(ref.pow(2).mean() / noise)) if noise > 0 else float("inf")
 
 
 def run_fp8_bench(

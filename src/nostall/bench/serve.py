@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from nostall.bench.load import _commit, _hardware
 
 __all__ = ["evaluate_targets", "run_serve_bench"]
@@ -35,36 +37,7 @@ PIPELINES = ("flux", "sdxl", "sd3")
 
 
 def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
-
-
-class _BackgroundServer:
-    def __init__(self, app):
-        import socket
-
-        import uvicorn
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        while not self.server.started:
-            if not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(120)
+    return float(np.percentile(xs, q * 100))
 
 
 def _stream(n: int) -> list[tuple[str, int]]:
@@ -145,10 +118,11 @@ def _drive(url: str, stream, clients: int, size: int, steps: int) -> dict[str, A
 
 def _worker_part(models, device, clients, n, size, steps, budgets, log) -> dict[str, Any]:
     from nostall.serve.app import create_app
+    from nostall.serve.local import BackgroundServer
     from nostall.serve.worker import Worker
 
     worker = Worker(models, device=device, max_queue=clients // 2, **budgets)
-    with _BackgroundServer(create_app(worker)) as srv:
+    with BackgroundServer(create_app(worker)) as srv:
         res = _drive(srv.url, _stream(n), clients, size, steps)
     warm = [a for k, a in res.pop("answers").items() if k >= len(PIPELINES)]
     memory = [
@@ -168,16 +142,13 @@ def _worker_part(models, device, clients, n, size, steps, budgets, log) -> dict[
 
 
 def _fleet_part(models, device, clients, n, size, steps, replicas, budgets, log) -> dict:
-    import socket
-
     import ray
     from ray import serve
 
     from nostall.serve.fleet import build_fleet
+    from nostall.serve.local import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ray.init(include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
@@ -250,12 +221,13 @@ def _embed_part(models, device, encoder, clients, texts_each, log) -> dict[str, 
 
     from nostall.serve.client import EmbeddingClient
     from nostall.serve.embed import EmbeddingService, create_embed_app
+    from nostall.serve.local import BackgroundServer
 
     max_length = 512 if encoder.endswith("text_encoder_2") else 77
     out: dict[str, Any] = {"encoder": encoder, "clients": clients, "max_length": max_length}
     for label, budget in (("one_at_a_time", max_length), ("batched", 8192)):
         service = EmbeddingService(models, device=device, token_budget=budget, max_wait_s=0.005)
-        with _BackgroundServer(create_embed_app(service)) as srv:
+        with BackgroundServer(create_embed_app(service)) as srv:
             with EmbeddingClient(srv.url, timeout=600) as c:
                 c.encode(encoder, ["warm-up"], max_length)  # loads the encoder
 

@@ -312,10 +312,10 @@ class EmbeddingService:
             fields["pooled"] = pooled.to(dtype)
         self.batches += 1
         self.batched_texts += len(batch)
-        # one CPU copy per text: the cache and the wire hold host tensors
-        return [
-            {k: v[i].detach().cpu().clone() for k, v in fields.items()} for i in range(len(batch))
-        ]
+        # one device-to-host copy per output, then each text its own row (a clone, so a
+        # cached text does not keep its whole batch alive)
+        host = {k: v.detach().cpu() for k, v in fields.items()}
+        return [{k: v[i].clone() for k, v in host.items()} for i in range(len(batch))]
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -148,7 +148,7 @@ def build_fleet(
             self.names = store.names()
             self.nbytes = {
                 n: sum(
-                    c.checkpoint.nbytes if hasattr(c, "checkpoint") else 0
+                    c.checkpoint.nbytes
                     for c in store.entry(n).components.values()
                     if c is not None and c.weights
                 )

@@ -545,19 +545,23 @@ def _log_prefetch_failure(fut: Future) -> None:
 
 
 class _PhaseClock:
-    """Text-encoder time and the denoising span of one pipeline call, from forward hooks
-    (synchronised on CUDA, so a phase's kernels are counted in it)."""
+    """Text-encoder time and the denoising span of one pipeline call, from forward hooks.
+
+    On CUDA the hooks record events on the current stream (no synchronisation inside
+    the call: the GPU's queue keeps running) and :meth:`phases` reads them after the
+    caller's one synchronisation at the end; elsewhere they read the clock."""
 
     _TEXT = ("text_encoder", "text_encoder_2", "text_encoder_3")
     _DENOISE = ("transformer", "unet")
 
     def __init__(self, pipe: Any, device: torch.device):
-        self.device = device
-        self.start = time.perf_counter()
-        self.text_s = 0.0
-        self.first: float | None = None
-        self.last: float | None = None
-        self._t0 = 0.0
+        self.cuda = device.type == "cuda"
+        self.start_s = time.perf_counter()
+        self.start = self._mark()
+        self.text: list[tuple[Any, Any]] = []  # (begin, end) marks per encoder call
+        self.first: Any = None
+        self.last: Any = None
+        self._open: Any = None
         self._hooks = []
         for name in self._TEXT:
             m = getattr(pipe, name, None)
@@ -570,23 +574,28 @@ class _PhaseClock:
                 self._hooks.append(m.register_forward_pre_hook(self._denoise_in))
                 self._hooks.append(m.register_forward_hook(self._denoise_out))
 
-    def _now(self) -> float:
-        _sync(self.device)
+    def _mark(self) -> Any:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
         return time.perf_counter()
 
+    def _between(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
     def _text_in(self, module, args) -> None:
-        self._t0 = self._now()
+        self._open = self._mark()
 
     def _text_out(self, module, args, out) -> None:
-        self.text_s += self._now() - self._t0
+        self.text.append((self._open, self._mark()))
 
     def _denoise_in(self, module, args) -> None:
-        t = self._now()
         if self.first is None:
-            self.first = t
+            self.first = self._mark()
 
     def _denoise_out(self, module, args, out) -> None:
-        self.last = self._now()
+        self.last = self._mark()
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -594,10 +603,13 @@ class _PhaseClock:
         self._hooks.clear()
 
     def phases(self, done: float) -> dict[str, float]:
+        """``done``: the clock after the call and a synchronisation."""
+        text = sum(self._between(a, b) for a, b in self.text)
         if self.first is None or self.last is None:
-            return {"text": self.text_s, "denoise": 0.0, "decode": done - self.start}
+            return {"text": text, "denoise": 0.0, "decode": done - self.start_s}
+        to_last = self._between(self.start, self.last)
         return {
-            "text": self.text_s,
-            "denoise": self.last - self.first,
-            "decode": done - self.last,
+            "text": text,
+            "denoise": self._between(self.first, self.last),
+            "decode": max(0.0, (done - self.start_s) - to_last),
         }
