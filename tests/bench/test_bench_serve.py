@@ -25,7 +25,7 @@ def test_tiny_serve_bench_runs_from_the_cli(tmp_path):
     w = report["results"]["worker"]
     assert w["answered_200"] == 12 and w["mixed_up"] == 0 and w["lost_or_failed"] == 0
     assert w["rejected_429_retried"] > 0  # 6 clients, a queue of 3: 429s, honoured
-    assert w["warm_switches_from_memory_share"] == 1.0
+    assert w["warm_switches_from_memory_share"] == 1.0, w["warm_switches_not_from_memory"]
     e = report["results"]["embed"]
     assert e["batched"]["batches"] < e["one_at_a_time"]["batches"]
     assert 0 < e["cache_hit_ms_p50"] < 1000

@@ -124,14 +124,30 @@ def _worker_part(models, device, clients, n, size, steps, budgets, log) -> dict[
     worker = Worker(models, device=device, max_queue=clients // 2, **budgets)
     with BackgroundServer(create_app(worker)) as srv:
         res = _drive(srv.url, _stream(n), clients, size, steps)
-    warm = [a for k, a in res.pop("answers").items() if k >= len(PIPELINES)]
-    memory = [
-        a for a in warm
-        if a["status"] == 200 and {c["tier"] for c in a["body"]["nostall"]["switch"]["components"]}
-        <= {"gpu", "device", "host"}
-    ]  # fmt: skip
+    # Warm: served after the first served request of its pipeline (the order the worker ran
+    # them, not the stream's: 429 retries reorder concurrent clients).
+    answers = res.pop("answers")
+    served = sorted(
+        (a for a in answers.values() if a["status"] == 200),
+        key=lambda a: a["body"]["nostall"]["order"],
+    )
+    seen: set[str] = set()
+    warm = []
+    for a in served:
+        if a["model"] in seen:
+            warm.append(a)
+        seen.add(a["model"])
+    memory, other = [], []
+    for a in warm:
+        tiers = {c["tier"] for c in a["body"]["nostall"]["switch"]["components"]}
+        (memory if tiers <= {"gpu", "device", "host"} else other).append(a)
     res["warm_requests"] = len(warm)
     res["warm_switches_from_memory_share"] = len(memory) / len(warm) if warm else None
+    res["warm_switches_not_from_memory"] = [
+        {"order": a["body"]["nostall"]["order"], "model": a["model"],
+         "tiers": sorted({c["tier"] for c in a["body"]["nostall"]["switch"]["components"]})}
+        for a in other
+    ]  # fmt: skip
     log(
         f"worker: {res['answered_200']}/{res['requests']} answered, {res['mixed_up']} mixed up, "
         f"{res['rejected_429_retried']} 429s retried, {res['throughput_per_s']:.2f} req/s, "

@@ -159,6 +159,7 @@ def create_app(worker: Worker) -> FastAPI:
                     "nostall": {
                         "model": body.model,
                         "seed": out.info["seed"],
+                        "order": out.info["order"],
                         "phases": out.phases,
                         "switch": out.switch,
                     },

@@ -161,6 +161,7 @@ class Worker:
         self._running: _Ticket | None = None
         self._thread: threading.Thread | None = None
         self._started_at = time.time()
+        self._served = 0  # jobs executed, in order (only the worker thread counts)
         self._vaes: OrderedDict[str, Any] = OrderedDict()  # decode-only VAEs, by pipeline
         # The embedding service, when configured: FLUX prompts are encoded there, the
         # request starts before the switch and runs beside it.
@@ -335,6 +336,8 @@ class Worker:
             result = self._video(t.job, start)
         else:
             result = self._image(t.job, start)
+        self._served += 1
+        result.info["order"] = self._served
         result.phases = {"queue": queue_s, **result.phases}
         result.phases["total"] = time.perf_counter() - t.arrived
         for phase, s in result.phases.items():
