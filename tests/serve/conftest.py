@@ -10,12 +10,12 @@ pytest.importorskip("uvicorn")
 
 @pytest.fixture(scope="package")
 def store(tmp_path_factory):
-    """Tiny random FLUX, SDXL and Wan pipelines."""
+    """Tiny random FLUX, SDXL, SD3 and Wan pipelines."""
     from nostall.bench.stores import write_store
 
     logging.getLogger("diffusers").setLevel(logging.ERROR)
     folder = tmp_path_factory.mktemp("serve-store")
-    write_store(folder, ("flux", "sdxl", "wan"))
+    write_store(folder, ("flux", "sdxl", "sd3", "wan"))
     return folder
 
 

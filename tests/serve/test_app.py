@@ -87,7 +87,7 @@ def test_unknown_model_is_404_listing_the_models(serve):
     r = httpx.post(f"{server.url}/v1/images/generations", json=_body("flux-pro"), timeout=30)
     assert r.status_code == 404
     err = r.json()["error"]
-    assert "flux-pro" in err["message"] and set(err["models"]) == {"flux", "sdxl", "wan"}
+    assert "flux-pro" in err["message"] and set(err["models"]) == {"flux", "sdxl", "sd3", "wan"}
 
 
 def test_a_full_queue_answers_429_and_every_accepted_request_is_served(serve, monkeypatch):
@@ -131,7 +131,12 @@ def test_health_ready_metrics_models_and_status_page(serve):
     with httpx.Client(base_url=server.url, timeout=120) as c:
         assert c.get("/healthz").json() == {"status": "ok"}
         assert c.get("/readyz").status_code == 200
-        assert {m["id"] for m in c.get("/v1/models").json()["data"]} == {"flux", "sdxl", "wan"}
+        assert {m["id"] for m in c.get("/v1/models").json()["data"]} == {
+            "flux",
+            "sdxl",
+            "sd3",
+            "wan",
+        }
         c.post("/v1/images/generations", json=_body())
         text = c.get("/metrics").text
         assert 'nostall_requests_total{endpoint="images",model="flux",status="200"} 1.0' in text

@@ -44,4 +44,4 @@ def test_serve_boots_answers_and_stops_on_sigterm(store):
     # the signal it caught, so the process ends "by SIGTERM" after a clean shutdown
     assert proc.returncode in (0, -signal.SIGTERM), out
     assert "Application shutdown complete" in out
-    assert "nostall worker: 3 pipelines on cpu" in out
+    assert "nostall worker: 4 pipelines on cpu" in out

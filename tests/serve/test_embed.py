@@ -63,7 +63,7 @@ def test_embeddings_equal_the_pipelines_and_repeat_from_the_cache(embed, store):
     # FLUX-b would share these encoders; the store here names each once
     assert service.names() == sorted(
         ["flux/text_encoder", "flux/text_encoder_2", "sdxl/text_encoder", "sdxl/text_encoder_2",
-         "wan/text_encoder"]
+         "sd3/text_encoder", "sd3/text_encoder_2", "sd3/text_encoder_3", "wan/text_encoder"]
     )  # fmt: skip
 
 
@@ -167,3 +167,52 @@ def test_the_worker_encodes_flux_prompts_in_the_service_and_falls_back(embed, se
                 assert np.array_equal(_image(again), _image(local))
         said = [r for r in caplog.records if "encoding locally" in r.getMessage()]
         assert len(said) == 1
+
+
+@pytest.mark.parametrize(
+    "model, extra",
+    [
+        ("sdxl", {}),  # no negative prompt: the pipeline's zeros, as it would
+        ("sdxl", {"negative_prompt": "blurry"}),
+        ("sd3", {}),  # SD3 encodes "" as the negative prompt
+        ("sd3", {"negative_prompt": "blurry", "max_sequence_length": 12}),
+    ],
+)
+def test_the_worker_encodes_sdxl_and_sd3_prompts_in_the_service(embed, serve, model, extra):
+    embed_server, service = embed()
+    worker_server, _ = serve(prepare=False, embed_url=embed_server.url)
+    local_server, _ = serve(prepare=False)
+    body = {"model": model, "prompt": "a cat", "size": "32x32", "steps": 2, "seed": 5, **extra}
+    with httpx.Client(timeout=120) as c:
+        local = c.post(f"{local_server.url}/v1/images/generations", json=body)
+        remote = c.post(f"{worker_server.url}/v1/images/generations", json=body)
+    assert local.status_code == 200 and remote.status_code == 200, remote.text
+    assert np.array_equal(_image(remote), _image(local))  # the pipeline's own encode, bit for bit
+    assert "text_service" in remote.json()["nostall"]["phases"]
+    # each encoder once per text: CLIP-L and CLIP-G (and SD3's T5), prompt and negative
+    encoders = 3 if model == "sd3" else 2
+    texts = 2 if (model == "sd3" or "negative_prompt" in extra) else 1
+    assert service.stats()["texts_encoded"] == encoders * texts
+
+
+def test_hidden_layers_are_the_encoders_and_checked(embed, store):
+    from transformers import CLIPTextModelWithProjection, CLIPTokenizer
+
+    from nostall.serve.client import EmbeddingClient
+
+    server, _ = embed()
+    te = CLIPTextModelWithProjection.from_pretrained(str(store / "sdxl" / "text_encoder_2"))
+    tok = CLIPTokenizer.from_pretrained(str(store / "sdxl" / "tokenizer_2"))
+    ids = tok(["a dog"], padding="max_length", max_length=tok.model_max_length,
+              truncation=True, return_tensors="pt").input_ids  # fmt: skip
+    with torch.no_grad():
+        ref = te(ids, output_hidden_states=True)
+    with EmbeddingClient(server.url) as c:
+        out = c.encode("sdxl/text_encoder_2", ["a dog"], None, -2)
+        assert torch.equal(out["hidden_state"], ref.hidden_states[-2])
+        assert torch.equal(out["pooled"], ref.text_embeds)  # CLIP with a projection
+        last = c.encode("sdxl/text_encoder_2", ["a dog"])
+        assert torch.equal(last["last_hidden_state"], ref.last_hidden_state)
+    r = httpx.post(f"{server.url}/v1/embeddings",
+                   json={"encoder": "sdxl/text_encoder_2", "texts": ["a"], "hidden_layer": 9})  # fmt: skip
+    assert r.status_code == 422 and "hidden_layer=9" in r.json()["error"]["message"]

@@ -717,7 +717,7 @@ def serve(
         True, "--prepare/--no-prepare", help="Build every pipeline's modules at boot."
     ),
     embed_url: str = typer.Option(
-        None, help="An embedding service (nostall embed-server) for FLUX prompts."
+        None, help="An embedding service (nostall embed-server) for FLUX, SDXL and SD3 prompts."
     ),
 ) -> None:
     """Serve image generation and video decoding over HTTP (OpenAI's images API shape),

@@ -18,7 +18,8 @@ class EmbeddingUnavailable(NostallError):
 
 class EmbeddingClient:
     """``EmbeddingClient("http://127.0.0.1:8001").encode("flux/text_encoder_2", ["a cat"], 512)``
-    returns ``{"last_hidden_state": (N, L, D), "pooled": (N, D)?}`` on the CPU.
+    returns ``{"last_hidden_state": (N, L, D), "pooled": (N, D)?}`` on the CPU (with
+    ``hidden_layer=k``, ``hidden_state``: the encoder's ``hidden_states[k]``).
 
     Connection errors, timeouts and 5xx answers are retried ``retries`` times with
     ``backoff`` seconds doubling in between, then raise :class:`EmbeddingUnavailable`;
@@ -42,7 +43,11 @@ class EmbeddingClient:
         self.close()
 
     def encode(
-        self, encoder: str, texts: list[str], max_length: int | None = None
+        self,
+        encoder: str,
+        texts: list[str],
+        max_length: int | None = None,
+        hidden_layer: int | None = None,
     ) -> dict[str, torch.Tensor]:
         """``max_length`` ``None``: the encoder's tokenizer's own."""
         import httpx
@@ -51,6 +56,8 @@ class EmbeddingClient:
         req = {"encoder": encoder, "texts": texts}
         if max_length is not None:
             req["max_length"] = max_length
+        if hidden_layer is not None:
+            req["hidden_layer"] = hidden_layer
         body = json.dumps(req)
         wait = self.backoff
         last: Exception | None = None

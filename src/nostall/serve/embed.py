@@ -9,18 +9,22 @@ one cache), whatever pipeline names them.
 
 Each text is tokenized as diffusers' pipelines do (``padding="max_length"``,
 ``truncation=True``, the given ``max_length``) and encoded; the answer holds
-``last_hidden_state`` ``(N, L, D)`` and, for encoders that pool (CLIP), ``pooled``
-``(N, D)``: FLUX's ``prompt_embeds`` and ``pooled_prompt_embeds``.
+``last_hidden_state`` ``(N, L, D)`` (or, with ``hidden_layer`` ``k``, ``hidden_state``:
+the encoder's ``hidden_states[k]``, which SDXL and SD3 take with ``k = -2``) and, for
+encoders that pool (CLIP), ``pooled`` ``(N, D)``: ``pooler_output``, or ``text_embeds``
+for CLIP with a projection. From these the worker puts together what FLUX's, SDXL's and
+SD3's ``encode_prompt`` would (:mod:`nostall.serve.worker`).
 
 **Batching.** A batch closes when its texts reach ``token_budget`` tokens (texts times
-``max_length``) or ``max_wait_s`` after its first text arrived; one batch per encoder and
-``max_length``. A text encoded alone gives its pipeline's bits; in a batch of several,
+``max_length``) or ``max_wait_s`` after its first text arrived; one batch per encoder,
+``max_length`` and ``hidden_layer``. A text encoded alone gives its pipeline's bits; in a batch of several,
 the GEMMs differ in shape and the last bits of the embeddings may differ.
 
-**Cache.** Exact match on (encoder digest, text, max length, dtype), least recently used
-out first, within ``cache_bytes``.
+**Cache.** Exact match on (encoder digest, text, max length, hidden layer, dtype), least
+recently used out first, within ``cache_bytes``.
 
-**Wire.** ``POST /v1/embeddings`` with ``{"encoder", "texts": [...], "max_length"}``;
+**Wire.** ``POST /v1/embeddings`` with ``{"encoder", "texts": [...], "max_length",
+"hidden_layer"}`` (the last two optional);
 the answer is a safetensors file (never a pickle) with the tensors above, its
 ``X-Nostall-Cache-Hits`` header counting the texts served from the cache.
 """
@@ -66,6 +70,7 @@ class _Item:
     encoder: _Encoder
     text: str
     max_length: int
+    hidden_layer: int | None
     future: Future
     arrived: float
 
@@ -187,10 +192,15 @@ class EmbeddingService:
     # ---- requests ----------------------------------------------------------------------
 
     def encode(
-        self, encoder: str, texts: list[str], max_length: int | None = None
+        self,
+        encoder: str,
+        texts: list[str],
+        max_length: int | None = None,
+        hidden_layer: int | None = None,
     ) -> tuple[dict, int]:
         """Embeddings of ``texts`` (stacked) and how many came from the cache; blocks.
-        ``max_length`` ``None``: the tokenizer's own (CLIP's 77), as pipelines use it."""
+        ``max_length`` ``None``: the tokenizer's own (CLIP's 77), as pipelines use it;
+        ``hidden_layer`` ``None``: ``last_hidden_state``, else ``hidden_states[k]``."""
         enc = self._by_name.get(encoder)
         if enc is None:
             import difflib
@@ -208,6 +218,13 @@ class EmbeddingService:
             max_length = min(int(enc.tokenizer.model_max_length), self.max_length_cap)
         if isinstance(max_length, bool) or not 1 <= max_length <= self.max_length_cap:
             raise ArgumentError(f"max_length={max_length}: must be in [1, {self.max_length_cap}]")
+        if hidden_layer is not None:
+            layers = int(enc.module.config.num_hidden_layers) + 1  # the embeddings, then each
+            if isinstance(hidden_layer, bool) or not -layers <= hidden_layer < layers:
+                raise ArgumentError(
+                    f"hidden_layer={hidden_layer}: {encoder} has hidden states "
+                    f"{-layers}..{layers - 1} (-2: the one before the last, as SDXL and SD3 use)"
+                )
         dtype = str(next(enc.module.parameters()).dtype)
         parts: list[Any] = []
         hits = 0
@@ -217,12 +234,12 @@ class EmbeddingService:
                 raise ArgumentError(
                     f"texts: every text must be a string, got {type(text).__name__}"
                 )
-            got = self.cache.get((enc.digest, text, max_length, dtype))
+            got = self.cache.get((enc.digest, text, max_length, hidden_layer, dtype))
             if got is not None:
                 hits += 1
                 parts.append(got)
             else:
-                item = _Item(enc, text, max_length, Future(), time.perf_counter())
+                item = _Item(enc, text, max_length, hidden_layer, Future(), time.perf_counter())
                 parts.append(item)
                 pending.append(item)
         if pending:
@@ -262,6 +279,7 @@ class EmbeddingService:
                 same = [
                     i for i in self._queue
                     if i.encoder is first.encoder and i.max_length == first.max_length
+                    and i.hidden_layer == first.hidden_layer
                 ]  # fmt: skip
                 full = len(same) * first.max_length >= self.token_budget
                 late = time.perf_counter() - first.arrived >= self.max_wait_s
@@ -287,7 +305,8 @@ class EmbeddingService:
                 continue
             for item, out in zip(batch, outs, strict=True):
                 dtype = str(next(item.encoder.module.parameters()).dtype)
-                self.cache.put((item.encoder.digest, item.text, item.max_length, dtype), out)
+                key = (item.encoder.digest, item.text, item.max_length, item.hidden_layer, dtype)
+                self.cache.put(key, out)
                 item.future.set_result(out)
 
     def _encode_batch(self, batch: list[_Item]) -> list[dict[str, torch.Tensor]]:
@@ -301,10 +320,16 @@ class EmbeddingService:
             return_overflowing_tokens=False,
             return_tensors="pt",
         )
+        layer = batch[0].hidden_layer
         with torch.inference_mode():
-            out = enc.module(tokens.input_ids.to(self.device), output_hidden_states=False)
+            out = enc.module(
+                tokens.input_ids.to(self.device), output_hidden_states=layer is not None
+            )
         dtype = next(enc.module.parameters()).dtype
-        fields = {"last_hidden_state": out[0].to(dtype)}
+        if layer is None:
+            fields = {"last_hidden_state": out.last_hidden_state.to(dtype)}
+        else:
+            fields = {"hidden_state": out.hidden_states[layer].to(dtype)}
         pooled = getattr(out, "pooler_output", None)
         if pooled is None:
             pooled = getattr(out, "text_embeds", None)
@@ -361,12 +386,18 @@ def create_embed_app(service: EmbeddingService):
             encoder, texts = body["encoder"], body["texts"]
             max_length = body.get("max_length")
             max_length = None if max_length is None else int(max_length)
+            layer = body.get("hidden_layer")
+            layer = None if layer is None else int(layer)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            return error(400, "malformed_body", f"expected {{encoder, texts, max_length}}: {e}")
+            return error(
+                400, "malformed_body", f"expected {{encoder, texts, max_length, hidden_layer}}: {e}"
+            )
         if isinstance(texts, str):
             texts = [texts]
         try:
-            tensors, hits = await asyncio.to_thread(service.encode, encoder, texts, max_length)
+            tensors, hits = await asyncio.to_thread(
+                service.encode, encoder, texts, max_length, layer
+            )
         except UnknownModel as e:
             return error(404, "unknown_encoder", str(e), encoders=service.names())
         except ArgumentError as e:

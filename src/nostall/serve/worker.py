@@ -163,8 +163,9 @@ class Worker:
         self._started_at = time.time()
         self._served = 0  # jobs executed, in order (only the worker thread counts)
         self._vaes: OrderedDict[str, Any] = OrderedDict()  # decode-only VAEs, by pipeline
-        # The embedding service, when configured: FLUX prompts are encoded there, the
-        # request starts before the switch and runs beside it.
+        # The embedding service, when configured: FLUX, SDXL and SD3 prompts are encoded
+        # there (nostall.serve.prompts), the requests start before the switch and run
+        # beside it.
         self._embed = None
         self._embed_pool = None
         self._embed_down_said = False
@@ -365,31 +366,41 @@ class Worker:
                 return r.as_dict()
         return {}
 
-    def _remote_embeds(self, job: ImageJob) -> dict[str, Any] | None:
-        """FLUX's prompt embeddings from the embedding service (``None``: encode locally)."""
+    def _remote_embeds(self, job: ImageJob) -> tuple[dict[str, torch.Tensor] | None, float]:
+        """The job's prompt embeddings from the embedding service (``None``: encode
+        locally) and the seconds they took."""
+        from nostall.serve.prompts import remote_prompt_embeds
+
         t = time.perf_counter()
-        clip = self._embed.encode(f"{job.model}/text_encoder", [job.prompt])
-        t5 = self._embed.encode(
-            f"{job.model}/text_encoder_2", [job.prompt], job.max_sequence_length or 512
+        entry = self.cache.store.entry(job.model)
+        embeds = remote_prompt_embeds(
+            lambda enc, text, n, layer: self._embed.encode(enc, [text], n, layer),
+            job.model,
+            entry.class_name,
+            {role for role, c in entry.components.items() if c is not None},
+            job.prompt,
+            job.negative_prompt,
+            job.max_sequence_length,
         )
-        return {
-            "prompt_embeds": t5["last_hidden_state"],
-            "pooled_prompt_embeds": clip["pooled"],
-            "service_s": time.perf_counter() - t,
-        }
+        return embeds, time.perf_counter() - t
 
     def _image(self, job: ImageJob, start: float) -> Result:
+        from nostall.serve.prompts import REMOTE_PIPELINES, apply
+
         remote = None
-        if self._embed is not None and self.cache.store.entry(job.model).class_name in _REMOTE:
+        if (
+            self._embed is not None
+            and self.cache.store.entry(job.model).class_name in REMOTE_PIPELINES
+        ):
             remote = self._embed_pool.submit(self._remote_embeds, job)  # beside the switch
         with self.cache.use(job.model) as pipe:
             switched = time.perf_counter()
             report = self._switch_report(job.model)
             clock = _PhaseClock(pipe, self.device)
-            embeds, text_wait = None, 0.0
+            embeds, text_wait, service_s = None, 0.0, 0.0
             if remote is not None:
                 try:
-                    embeds = remote.result()
+                    embeds, service_s = remote.result()
                 except NostallError as e:
                     if not self._embed_down_said:
                         self._embed_down_said = True
@@ -398,9 +409,7 @@ class Worker:
             try:
                 kwargs = image_kwargs(pipe, job, self.device)
                 if embeds is not None:
-                    del kwargs["prompt"]
-                    kwargs["prompt_embeds"] = embeds["prompt_embeds"].to(self.device)
-                    kwargs["pooled_prompt_embeds"] = embeds["pooled_prompt_embeds"].to(self.device)
+                    apply(kwargs, embeds, pipe, self.device)
                 with torch.inference_mode():
                     image = pipe(**kwargs).images[0]
                 _sync(self.device)
@@ -412,7 +421,7 @@ class Worker:
         phases = {"switch": switched - start, **_switch_phases(report), **clock.phases(done)}
         if embeds is not None:  # the text phase is the wait for the service after the switch
             phases["text"] = text_wait
-            phases["text_service"] = embeds["service_s"]
+            phases["text_service"] = service_s
         return Result(
             buf.getvalue(), "image/png", phases, report, {"seed": job.seed, "size": image.size}
         )
@@ -485,11 +494,6 @@ class Worker:
             "queue": waiting,
             "recent": list(self.recent),
         }
-
-
-# Pipelines whose prompt embeddings the embedding service computes (the arguments they
-# take: prompt_embeds from T5, pooled_prompt_embeds from CLIP).
-_REMOTE = {"FluxPipeline"}
 
 
 def image_kwargs(pipe: Any, job: ImageJob, device: torch.device) -> dict[str, Any]:
