@@ -216,3 +216,33 @@ def test_hidden_layers_are_the_encoders_and_checked(embed, store):
     r = httpx.post(f"{server.url}/v1/embeddings",
                    json={"encoder": "sdxl/text_encoder_2", "texts": ["a"], "hidden_layer": 9})  # fmt: skip
     assert r.status_code == 422 and "hidden_layer=9" in r.json()["error"]["message"]
+
+
+def test_the_service_exports_prometheus_metrics(embed):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server, _ = embed()
+    body = {"encoder": "flux/text_encoder_2", "texts": ["a", "b"], "max_length": 8}
+    for _ in range(2):  # encoded, then both from the cache
+        assert httpx.post(f"{server.url}/v1/embeddings", json=body).status_code == 200
+    assert (
+        httpx.post(
+            f"{server.url}/v1/embeddings", json={"encoder": "nope", "texts": ["a"]}
+        ).status_code
+        == 404
+    )
+    text = httpx.get(f"{server.url}/metrics").text
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    ok = (("encoder", "flux/text_encoder_2"), ("status", "200"))
+    assert samples[("nostall_embed_requests_total", ok)] == 2
+    assert (
+        samples[("nostall_embed_requests_total", (("encoder", "unknown"), ("status", "404")))] == 1
+    )
+    assert samples[("nostall_embed_texts_total", (("source", "encoded"),))] == 2
+    assert samples[("nostall_embed_texts_total", (("source", "cache"),))] == 2
+    assert samples[("nostall_embed_batch_texts_count", ())] >= 1
+    assert samples[("nostall_embed_cache_bytes", ())] > 0

@@ -135,6 +135,7 @@ class EmbeddingService:
         max_texts: int = 256,
     ):
         from nostall.cache.store import Store
+        from nostall.serve.metrics import EmbedMetrics
         from nostall.transfer.loader import resolve_device
 
         self.device = resolve_device(device)
@@ -144,6 +145,7 @@ class EmbeddingService:
         self.max_length_cap = max_length_cap
         self.max_texts = max_texts
         self.cache = _LRU(cache_bytes)
+        self.metrics = EmbedMetrics()
         self.store = Store(models)
         self._by_name: dict[str, _Encoder] = {}
         by_digest: dict[str, _Encoder] = {}
@@ -242,11 +244,14 @@ class EmbeddingService:
                 item = _Item(enc, text, max_length, hidden_layer, Future(), time.perf_counter())
                 parts.append(item)
                 pending.append(item)
+        self.metrics.texts.labels("cache").inc(hits)
         if pending:
+            self.metrics.texts.labels("encoded").inc(len(pending))
             with self._cond:
                 if not self._accepting:
                     raise NostallError("the embedding service is shutting down")
                 self._queue.extend(pending)
+                self.metrics.queue_depth.set(len(self._queue))
                 self._cond.notify_all()
         out = [p.future.result(timeout=600) if isinstance(p, _Item) else p for p in parts]
         return {k: torch.stack([o[k] for o in out]) for k in out[0]}, hits
@@ -288,6 +293,7 @@ class EmbeddingService:
                     batch = same[:per]
                     taken = {id(i) for i in batch}
                     self._queue = [i for i in self._queue if id(i) not in taken]
+                    self.metrics.queue_depth.set(len(self._queue))
                     return batch
                 self._cond.wait(self.max_wait_s - (time.perf_counter() - first.arrived))
 
@@ -296,8 +302,11 @@ class EmbeddingService:
             batch = self._take_batch()
             if batch is None:
                 return
+            t = time.perf_counter()
             try:
                 outs = self._encode_batch(batch)
+                self.metrics.batch_seconds.observe(time.perf_counter() - t)
+                self.metrics.batch_texts.observe(len(batch))
             except BaseException as e:  # the batch fails; the thread carries on
                 log.exception("encoding a batch of %d failed", len(batch))
                 for item in batch:
@@ -308,6 +317,7 @@ class EmbeddingService:
                 key = (item.encoder.digest, item.text, item.max_length, item.hidden_layer, dtype)
                 self.cache.put(key, out)
                 item.future.set_result(out)
+            self.metrics.cache_bytes.set(self.cache.bytes)
 
     def _encode_batch(self, batch: list[_Item]) -> list[dict[str, torch.Tensor]]:
         enc = batch[0].encoder
@@ -359,9 +369,10 @@ class EmbeddingService:
 
 def create_embed_app(service: EmbeddingService):
     """FastAPI app over ``service``: ``POST /v1/embeddings``, ``GET /v1/encoders``,
-    ``/healthz``, ``/readyz``, ``/stats``."""
+    ``/healthz``, ``/readyz``, ``/stats``, ``/metrics`` (Prometheus)."""
     import asyncio
     import json
+    import time
     from contextlib import asynccontextmanager
 
     from safetensors.torch import save
@@ -381,6 +392,15 @@ def create_embed_app(service: EmbeddingService):
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
+        t0 = time.perf_counter()
+        encoder, response = await _embeddings(request)
+        m = service.metrics
+        m.requests.labels(encoder, str(response.status_code)).inc()
+        m.latency.observe(time.perf_counter() - t0)
+        return response
+
+    async def _embeddings(request: Request) -> tuple[str, Response]:
+        encoder = "-"
         try:
             body = json.loads(await request.body())
             encoder, texts = body["encoder"], body["texts"]
@@ -389,9 +409,9 @@ def create_embed_app(service: EmbeddingService):
             layer = body.get("hidden_layer")
             layer = None if layer is None else int(layer)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            return error(
-                400, "malformed_body", f"expected {{encoder, texts, max_length, hidden_layer}}: {e}"
-            )
+            message = f"expected {{encoder, texts, max_length, hidden_layer}}: {e}"
+            return encoder, error(400, "malformed_body", message)
+        encoder = str(encoder) if encoder in service.names() else "unknown"
         if isinstance(texts, str):
             texts = [texts]
         try:
@@ -399,16 +419,16 @@ def create_embed_app(service: EmbeddingService):
                 service.encode, encoder, texts, max_length, layer
             )
         except UnknownModel as e:
-            return error(404, "unknown_encoder", str(e), encoders=service.names())
+            return encoder, error(404, "unknown_encoder", str(e), encoders=service.names())
         except ArgumentError as e:
-            return error(422, "invalid_value", str(e))
+            return encoder, error(422, "invalid_value", str(e))
         except NostallError as e:
-            return error(503, type(e).__name__, str(e))
+            return encoder, error(503, type(e).__name__, str(e))
         payload = save(
             {k: v.contiguous() for k, v in tensors.items()},
             metadata={"encoder": encoder},
         )
-        return Response(
+        return encoder, Response(
             payload,
             media_type="application/octet-stream",
             headers={"X-Nostall-Cache-Hits": str(hits), "X-Nostall-Texts": str(len(texts))},
@@ -429,5 +449,11 @@ def create_embed_app(service: EmbeddingService):
     @app.get("/stats")
     async def stats() -> dict:
         return service.stats()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -1,11 +1,11 @@
-"""Prometheus metrics of one worker (its own registry: two workers in one process, as in
-the tests, never share counters)."""
+"""Prometheus metrics of one worker and of one embedding service (each its own registry:
+two in one process, as in the tests, never share counters)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["WorkerMetrics"]
+__all__ = ["EmbedMetrics", "WorkerMetrics"]
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 
@@ -38,6 +38,39 @@ class WorkerMetrics:
         self.tier_bytes = Gauge(
             "nostall_tier_bytes", "Weights resident per tier.", ["tier"], registry=r
         )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class EmbedMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "nostall_embed_requests", "Requests answered, by encoder and status code.",
+            ["encoder", "status"], registry=r,
+        )  # fmt: skip
+        self.latency = Histogram(
+            "nostall_embed_request_seconds", "Time from arrival to answer.",
+            buckets=_SECONDS, registry=r,
+        )  # fmt: skip
+        self.texts = Counter(
+            "nostall_embed_texts", "Texts asked for, by where they were served from.",
+            ["source"], registry=r,
+        )  # fmt: skip
+        self.batch_texts = Histogram(
+            "nostall_embed_batch_texts", "Texts per encoded batch.", buckets=_BATCH, registry=r
+        )
+        self.batch_seconds = Histogram(
+            "nostall_embed_batch_seconds", "Time to tokenize and encode one batch.",
+            buckets=_SECONDS, registry=r,
+        )  # fmt: skip
+        self.queue_depth = Gauge("nostall_embed_queue_depth", "Texts waiting.", registry=r)
+        self.cache_bytes = Gauge("nostall_embed_cache_bytes", "Bytes in the cache.", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
