@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 import nostall
 from nostall.errors import ArgumentError, BudgetExceeded, ClosedError, UnknownModel
@@ -354,3 +355,35 @@ def test_a_budget_smaller_than_a_component_is_a_typed_error(store):
         assert info.value.requested > info.value.budget or info.value.tier == "gpu"
     with pytest.raises(ArgumentError):
         nostall.ModelCache(store, device="cpu", gpu_budget=0)
+
+
+def test_a_pipeline_without_its_text_encoders_moves_none_and_takes_embeddings(store, cache):
+    from diffusers import DiffusionPipeline
+
+    full = DiffusionPipeline.from_pretrained(str(store / "flux"))
+    with torch.no_grad():
+        t5, pooled, _ = full.encode_prompt("a cat", prompt_2=None, max_sequence_length=16)
+    encoders = ["text_encoder", "text_encoder_2"]
+    with cache.use("flux", without=encoders) as pipe:
+        assert pipe.text_encoder is None and pipe.text_encoder_2 is None
+        assert pipe.tokenizer is not None  # only weights components are left out
+        g = torch.Generator().manual_seed(0)
+        out = pipe(prompt_embeds=t5, pooled_prompt_embeds=pooled, height=32, width=32,
+                   num_inference_steps=2, generator=g, output_type="np").images  # fmt: skip
+    report = cache.last_report
+    assert set(_tiers(report)) == {"transformer", "vae"} and report.left_out == tuple(encoders)
+    assert "left out: text_encoder, text_encoder_2" in str(report.table().caption)
+    assert np.array_equal(out, reference(store, "flux"))  # the same image as the whole pipeline
+    assert {c["roles"][0] for c in cache.stats().components.values()} == {"transformer", "vae"}
+    # the whole pipeline afterwards moves the encoders only, and is another object
+    with cache.use("flux") as whole:
+        assert whole.text_encoder is not None and whole is not pipe
+    assert _tiers(cache.last_report) == {
+        "text_encoder": "disk", "text_encoder_2": "disk", "transformer": "device", "vae": "device"
+    }  # fmt: skip
+    # a prefetch may leave them out too; names are checked before anything moves
+    assert cache.prefetch("sdxl", without="text_encoder_2").result().left_out == ("text_encoder_2",)
+    with pytest.raises(ArgumentError, match=r"without=\['tokenizer'\].*has \["):
+        cache.pipeline("flux", without=["tokenizer"])
+    with pytest.raises(ArgumentError, match="no weights component"):
+        cache.prefetch("flux", without=["text_encoder_9"])

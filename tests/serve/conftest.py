@@ -19,9 +19,7 @@ def store(tmp_path_factory):
     return folder
 
 
-# shared with the tests of this folder (test_embed, test_fleet, test_cli_serve)
 from nostall.serve.local import BackgroundServer as Server  # noqa: E402
-from nostall.serve.local import free_port as _free_port  # noqa: E402, F401
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from conftest import _free_port
+from nostall.serve.local import free_port as _free_port
 
 
 def test_serve_boots_answers_and_stops_on_sigterm(store):

@@ -14,7 +14,8 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import Server, _free_port
+from nostall.serve.local import BackgroundServer as Server
+from nostall.serve.local import free_port as _free_port
 
 
 @pytest.fixture
@@ -144,6 +145,10 @@ def _body(**kw):
     return body
 
 
+def _roles(r):
+    return {c["role"] for c in r.json()["nostall"]["switch"]["components"]}
+
+
 def _image(r):
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))))
 
@@ -159,12 +164,16 @@ def test_the_worker_encodes_flux_prompts_in_the_service_and_falls_back(embed, se
         assert np.array_equal(_image(remote), _image(local))  # same bits as encoding locally
         assert "text_service" in remote.json()["nostall"]["phases"]
         assert service.stats()["texts_encoded"] == 2  # CLIP and T5, once each
+        # the worker switched FLUX in without its text encoders: their bytes did not move
+        assert _roles(remote) == {"transformer", "vae"}
+        assert _roles(local) == {"text_encoder", "text_encoder_2", "transformer", "vae"}
         embed_server.__exit__(None, None, None)  # the service goes away
         with caplog.at_level(logging.WARNING, logger="nostall.serve.worker"):
             for _ in range(2):
                 again = c.post(f"{worker_server.url}/v1/images/generations", json=_body())
                 assert again.status_code == 200
                 assert np.array_equal(_image(again), _image(local))
+                assert "text_encoder_2" in _roles(again)  # switched in to encode locally
         said = [r for r in caplog.records if "encoding locally" in r.getMessage()]
         assert len(said) == 1
 
@@ -189,6 +198,7 @@ def test_the_worker_encodes_sdxl_and_sd3_prompts_in_the_service(embed, serve, mo
     assert local.status_code == 200 and remote.status_code == 200, remote.text
     assert np.array_equal(_image(remote), _image(local))  # the pipeline's own encode, bit for bit
     assert "text_service" in remote.json()["nostall"]["phases"]
+    assert not any(r.startswith("text_encoder") for r in _roles(remote))  # left out
     # each encoder once per text: CLIP-L and CLIP-G (and SD3's T5), prompt and negative
     encoders = 3 if model == "sd3" else 2
     texts = 2 if (model == "sd3" or "negative_prompt" in extra) else 1

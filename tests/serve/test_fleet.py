@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from conftest import _free_port
+from nostall.serve.local import free_port as _free_port
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")

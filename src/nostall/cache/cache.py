@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,8 +160,8 @@ class ModelCache:
         self._switching = threading.Lock()
         self._instances: dict[str, list[Instance]] = {}
         self._plans: dict[str, LoadPlan] = {}
-        # name -> [pipeline object, module identities, busy in a use() block]
-        self._pipes: dict[str, list[list[Any]]] = {}
+        # (name, roles left out) -> [pipeline object, module identities, busy in a use() block]
+        self._pipes: dict[tuple[str, frozenset[str]], list[list[Any]]] = {}
         self._holders: dict[int, Counter[str]] = {}
         self._protected: set[str] = set()  # prefetched, not used yet
         self._current: set[str] = set()  # the last pipeline handed out without use()
@@ -177,30 +177,37 @@ class ModelCache:
         """The pipelines the store holds."""
         return self.store.names()
 
-    def pipeline(self, name: str) -> Any:
+    def pipeline(self, name: str, *, without: Iterable[str] = ()) -> Any:
         """Switch to ``name``; return its diffusers pipeline, weights on the device.
 
         The pipeline stays usable until a later switch needs its memory or its modules
         (calling it then raises :class:`~nostall.ClosedError`); hold it with
-        :meth:`use` where other switches may happen meanwhile.
+        :meth:`use` where other switches may happen meanwhile. ``without``: as in
+        :meth:`use`.
         """
-        return self._switch(name, mode="pipeline")[0]
+        return self._switch(name, mode="pipeline", without=without)[0]
 
     @contextlib.contextmanager
-    def use(self, name: str) -> Iterator[Any]:
+    def use(self, name: str, *, without: Iterable[str] = ()) -> Iterator[Any]:
         """Switch to ``name`` and hold it: nothing of it is evicted inside the block.
+
+        ``without``: weights components (roles) to leave out: they are not moved, and
+        the pipeline gets ``None`` for them, as diffusers allows. A worker whose prompts
+        are encoded elsewhere leaves out the text encoders and passes ``prompt_embeds``.
 
         >>> with cache.use("sdxl") as pipe:  # doctest: +SKIP
         ...     image = pipe("a lighthouse").images[0]
+        >>> with cache.use("flux", without=["text_encoder", "text_encoder_2"]) as pipe:  # doctest: +SKIP
+        ...     image = pipe(prompt_embeds=t5, pooled_prompt_embeds=clip).images[0]
         """
-        pipe, _ = self._switch(name, mode="use")
-        digests = {c.digest for c in self.store.entry(name).weights}
+        pipe, _ = self._switch(name, mode="use", without=without)
+        digests = {c.digest for c in self._components(self.store.entry(name), without)}
         try:
             yield pipe
         finally:
             self._release(digests, pipe)
 
-    def prefetch(self, name: str) -> Future[SwitchReport]:
+    def prefetch(self, name: str, *, without: Iterable[str] = ()) -> Future[SwitchReport]:
         """Move ``name``'s missing components to the device now, on the copy stream, while
         the current pipeline computes; returns a future of the prefetch's report.
 
@@ -210,8 +217,11 @@ class ModelCache:
         that finds no room fails its future with :class:`~nostall.BudgetExceeded`.
         """
         self._check_open()
-        self.store.entry(name)  # unknown names fail here, not in the future
-        return self._prefetcher.submit(lambda: self._switch(name, mode="prefetch")[1])
+        without = _roles(without)
+        self._components(self.store.entry(name), without)  # bad names fail here, not later
+        return self._prefetcher.submit(
+            lambda: self._switch(name, mode="prefetch", without=without)[1]
+        )
 
     def prepare(self, *names: str) -> None:
         """Do now, off the request path, what the first switch would otherwise do: take
@@ -312,11 +322,27 @@ class ModelCache:
 
     # ---- the switch --------------------------------------------------------------
 
-    def _switch(self, name: str, *, mode: str) -> tuple[Any, SwitchReport]:
+    def _components(self, entry: PipelineEntry, without: Iterable[str]) -> list[ComponentEntry]:
+        """``entry``'s weights components but the roles in ``without`` (checked), one per
+        digest."""
+        without = _roles(without)
+        roles = [c.role for c in entry.weights]
+        unknown = sorted(without - set(roles))
+        if unknown:
+            raise ArgumentError(
+                f"without={unknown}: pipeline {entry.name!r} has no weights component of that "
+                f"name; it has {roles}"
+            )
+        return list({c.digest: c for c in entry.weights if c.role not in without}.values())
+
+    def _switch(
+        self, name: str, *, mode: str, without: Iterable[str] = ()
+    ) -> tuple[Any, SwitchReport]:
         t0 = time.perf_counter()
         self._check_open()
         entry = self.store.entry(name)
-        comps = list({c.digest: c for c in entry.weights}.values())
+        without = _roles(without)
+        comps = self._components(entry, without)
         keep = {c.digest for c in comps}
         me = threading.get_ident()
         with self._switching:
@@ -357,7 +383,11 @@ class ModelCache:
                     mv.slot.ready = True
                     if mv.cached:
                         self._host.admitted(mv.c.digest, mv.slot.size)
-                pipe = None if mode == "prefetch" else self._pipeline_for(entry, mode == "use")
+                pipe = (
+                    None
+                    if mode == "prefetch"
+                    else self._pipeline_for(entry, mode == "use", without)
+                )
             if mode != "prefetch" and self.device.type == "cuda":
                 # A prefetch did not join the copies to its stream: the consumer does.
                 stream = torch.cuda.current_stream(self.device)
@@ -390,6 +420,7 @@ class ModelCache:
             evicted=tuple(evicted),
             prefetch=mode == "prefetch",
             wait_s=(t_locked - t0) + waited,
+            left_out=tuple(sorted(without)),
         )
         self.reports.append(report)
         log.info(
@@ -652,8 +683,11 @@ class ModelCache:
 
     # ---- pipelines ---------------------------------------------------------------
 
-    def _pipeline_for(self, entry: PipelineEntry, exclusive: bool) -> Any:
-        """A pipeline object over the modules now holding ``entry``'s weights.
+    def _pipeline_for(
+        self, entry: PipelineEntry, exclusive: bool, without: frozenset[str] = frozenset()
+    ) -> Any:
+        """A pipeline object over the modules now holding ``entry``'s weights (``None``
+        for the roles in ``without``).
 
         Pipeline objects carry per-run state (the scheduler's timesteps), so a
         ``use()`` block gets one no other block is using; they are kept and reused.
@@ -661,7 +695,7 @@ class ModelCache:
         modules: dict[str, Any] = {}
         expect: dict[str, tuple[Instance, str]] = {}
         for role, c in entry.components.items():
-            if c is None or not c.weights:
+            if c is None or not c.weights or role in without:
                 continue
             inst = next(
                 i for i in self._instances[c.arch or c.digest] if i.digest == c.digest and i.slot
@@ -669,7 +703,8 @@ class ModelCache:
             modules[role] = inst.module
             expect[role] = (inst, c.digest)
         ident = tuple(id(m) for m in modules.values())
-        kept = [item for item in self._pipes.get(entry.name, []) if item[1] == ident]
+        key = (entry.name, without)
+        kept = [item for item in self._pipes.get(key, []) if item[1] == ident]
         for item in kept:
             if not item[2]:
                 item[2] = exclusive
@@ -686,8 +721,8 @@ class ModelCache:
                         f"{entry.name!r}), or hold it with `with cache.use({entry.name!r})`"
                     )
 
-        pipe = self._assembler.build(entry, modules, check)
-        self._pipes[entry.name] = [*kept, [pipe, ident, exclusive]]
+        pipe = self._assembler.build(entry, modules, check, without)
+        self._pipes[key] = [*kept, [pipe, ident, exclusive]]
         return pipe
 
     # ---- helpers -----------------------------------------------------------------
@@ -702,3 +737,8 @@ class ModelCache:
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("the model cache is closed; create a new ModelCache")
+
+
+def _roles(without: Iterable[str]) -> frozenset[str]:
+    """``without`` as a set of roles (one name alone is one role, not its letters)."""
+    return frozenset([without] if isinstance(without, str) else without)

@@ -58,9 +58,14 @@ class Assembler:
         return copy.deepcopy(obj)
 
     def build(
-        self, entry: PipelineEntry, modules: dict[str, Any], check: Callable[[], None]
+        self,
+        entry: PipelineEntry,
+        modules: dict[str, Any],
+        check: Callable[[], None],
+        without: frozenset[str] = frozenset(),
     ) -> Any:
-        """The pipeline of ``entry`` with ``modules`` (role → module) as its weights."""
+        """The pipeline of ``entry`` with ``modules`` (role → module) as its weights and
+        ``None`` for the roles in ``without``."""
         base = _import("diffusers", entry.class_name, entry.folder)
         cls = self._guarded_class(base)
         expected, optional = base._get_signature_keys(base)
@@ -70,7 +75,9 @@ class Assembler:
             k: init_dict[k] for k in optional if k in init_dict and k not in optional_components
         }
         for role in expected:
-            if role in modules:
+            if role in without:
+                kwargs[role] = None
+            elif role in modules:
                 kwargs[role] = modules[role]
             elif role in entry.components:
                 c = entry.components[role]

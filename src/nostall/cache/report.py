@@ -64,7 +64,8 @@ class SwitchReport:
 
     ``wait_s`` is the part spent waiting for room (pipelines in use elsewhere) or for a
     prefetch of the same pipeline to finish; ``evicted`` names the components (role
-    and digest) that left the device tier to make room.
+    and digest) that left the device tier to make room; ``left_out`` the roles the
+    caller asked to leave out (``use(..., without=...)``).
     """
 
     pipeline: str
@@ -74,6 +75,7 @@ class SwitchReport:
     evicted: tuple[str, ...] = ()
     prefetch: bool = False
     wait_s: float = 0.0
+    left_out: tuple[str, ...] = ()
 
     @property
     def moved_bytes(self) -> int:
@@ -123,6 +125,11 @@ class SwitchReport:
                 f"{c.build_s:.3f}" if c.build_s else "-",
                 ", ".join(note),
             )
+        caption = []
+        if self.left_out:
+            caption.append(f"left out: {', '.join(self.left_out)}")
         if self.evicted:
-            table.caption = f"evicted from the device: {', '.join(self.evicted)}"
+            caption.append(f"evicted from the device: {', '.join(self.evicted)}")
+        if caption:
+            table.caption = "; ".join(caption)
         return table

@@ -8,13 +8,15 @@ pipeline takes is built from several:
   by default); ``pooled_prompt_embeds`` = CLIP-L's ``pooler_output``.
 - **SDXL**: ``prompt_embeds`` = CLIP-L's and CLIP-G's ``hidden_states[-2]`` side by side;
   ``pooled_prompt_embeds`` = CLIP-G's ``text_embeds``. A negative prompt is encoded the
-  same way; without one, the pipeline's ``force_zeros_for_empty_prompt`` decides, as it
-  would.
+  same way; without one, zeros if the pipeline's ``force_zeros_for_empty_prompt`` says
+  so (the pipeline makes them), else ``""`` encoded, as the pipeline would.
 - **SD3**: CLIP-L's and CLIP-G's ``hidden_states[-2]`` side by side, padded (or cut) to
   T5's width, above T5's ``last_hidden_state`` (256 tokens by default); pooled = the two
   ``text_embeds`` side by side. The negative prompt (``""`` by default) likewise.
 
 A pipeline of another class, or one missing an encoder, is encoded locally (``None``).
+Everything a pipeline's call needs from its encoders is here, so the worker switches the
+pipeline in without them (``ModelCache.use(..., without=...)``).
 """
 
 from __future__ import annotations
@@ -45,13 +47,18 @@ def remote_prompt_embeds(
     prompt: str,
     negative_prompt: str | None = None,
     max_sequence_length: int | None = None,
+    *,
+    zeros_for_empty_negative: bool = True,
 ) -> dict[str, torch.Tensor] | None:
     """The ``prompt_embeds``-style arguments for pipeline ``model`` of ``class_name``, or
     ``None`` when its prompts must be encoded locally.
 
     ``encode(encoder, text, max_length, hidden_layer)`` asks the service for one text
     (``max_length``/``hidden_layer`` ``None``: the tokenizer's own length, the last hidden
-    state) and returns its tensors with a batch dimension of one."""
+    state) and returns its tensors with a batch dimension of one.
+    ``zeros_for_empty_negative``: SDXL's ``force_zeros_for_empty_prompt`` (then, with no
+    negative prompt, the pipeline makes zeros itself; otherwise it encodes ``""``, here
+    in the service, since its encoders may be left out)."""
     needed = REMOTE_PIPELINES.get(class_name)
     if needed is None or not set(needed) <= roles:
         return None
@@ -73,6 +80,8 @@ def remote_prompt_embeds(
 
         embeds, pooled = sdxl(prompt)
         out = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+        if negative_prompt is None and not zeros_for_empty_negative:
+            negative_prompt = ""
         if negative_prompt is not None:
             n_embeds, n_pooled = sdxl(negative_prompt)
             out |= {"negative_prompt_embeds": n_embeds, "negative_pooled_prompt_embeds": n_pooled}

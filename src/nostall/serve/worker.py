@@ -327,7 +327,7 @@ class Worker:
         with self._cond:
             nxt = next((q.job.model for q in self._queue if not q.cancelled.is_set()), None)
         if nxt is not None and nxt != current:
-            fut = self.cache.prefetch(nxt)
+            fut = self.cache.prefetch(nxt, without=self._remote_roles(nxt))
             fut.add_done_callback(_log_prefetch_failure)
 
     def _execute(self, t: _Ticket) -> Result:
@@ -366,9 +366,22 @@ class Worker:
                 return r.as_dict()
         return {}
 
-    def _remote_embeds(self, job: ImageJob) -> tuple[dict[str, torch.Tensor] | None, float]:
-        """The job's prompt embeddings from the embedding service (``None``: encode
-        locally) and the seconds they took."""
+    def _remote_roles(self, model: str) -> tuple[str, ...]:
+        """The text encoders ``model`` leaves to the embedding service (none without one,
+        or for a pipeline the service cannot encode for)."""
+        from nostall.serve.prompts import REMOTE_PIPELINES
+
+        if self._embed is None:
+            return ()
+        entry = self.cache.store.entry(model)
+        needed = REMOTE_PIPELINES.get(entry.class_name, ())
+        if not needed or any(entry.components.get(r) is None for r in needed):
+            return ()
+        return needed
+
+    def _remote_embeds(self, job: ImageJob) -> tuple[dict[str, torch.Tensor], float]:
+        """The job's prompt embeddings from the embedding service and the seconds they
+        took."""
         from nostall.serve.prompts import remote_prompt_embeds
 
         t = time.perf_counter()
@@ -381,23 +394,20 @@ class Worker:
             job.prompt,
             job.negative_prompt,
             job.max_sequence_length,
+            zeros_for_empty_negative=bool(entry.config.get("force_zeros_for_empty_prompt", True)),
         )
         return embeds, time.perf_counter() - t
 
     def _image(self, job: ImageJob, start: float) -> Result:
-        from nostall.serve.prompts import REMOTE_PIPELINES, apply
-
-        remote = None
-        if (
-            self._embed is not None
-            and self.cache.store.entry(job.model).class_name in REMOTE_PIPELINES
-        ):
-            remote = self._embed_pool.submit(self._remote_embeds, job)  # beside the switch
-        with self.cache.use(job.model) as pipe:
+        # With the embedding service, the pipeline is switched in without its text
+        # encoders (their bytes stay where they are) while the service encodes the
+        # prompt; if the service fails, the encoders are switched in and encode locally.
+        roles = self._remote_roles(job.model)
+        remote = self._embed_pool.submit(self._remote_embeds, job) if roles else None
+        embeds, text_wait, service_s = None, 0.0, 0.0
+        with self.cache.use(job.model, without=roles) as pipe:
             switched = time.perf_counter()
             report = self._switch_report(job.model)
-            clock = _PhaseClock(pipe, self.device)
-            embeds, text_wait, service_s = None, 0.0, 0.0
             if remote is not None:
                 try:
                     embeds, service_s = remote.result()
@@ -406,16 +416,13 @@ class Worker:
                         self._embed_down_said = True
                         log.warning("embedding service unusable (%s); encoding locally", e)
                 text_wait = time.perf_counter() - switched
-            try:
-                kwargs = image_kwargs(pipe, job, self.device)
-                if embeds is not None:
-                    apply(kwargs, embeds, pipe, self.device)
-                with torch.inference_mode():
-                    image = pipe(**kwargs).images[0]
-                _sync(self.device)
-                done = time.perf_counter()
-            finally:
-                clock.remove()
+            if embeds is not None or not roles:
+                image, clock, done = self._generate(pipe, job, embeds)
+        if roles and embeds is None:  # the service failed: the whole pipeline, locally
+            with self.cache.use(job.model) as pipe:
+                switched = time.perf_counter()
+                report = self._switch_report(job.model)
+                image, clock, done = self._generate(pipe, job, None)
         buf = io.BytesIO()
         image.save(buf, format="PNG")
         phases = {"switch": switched - start, **_switch_phases(report), **clock.phases(done)}
@@ -425,6 +432,23 @@ class Worker:
         return Result(
             buf.getvalue(), "image/png", phases, report, {"seed": job.seed, "size": image.size}
         )
+
+    def _generate(self, pipe: Any, job: ImageJob, embeds: dict[str, torch.Tensor] | None):
+        """Run ``pipe`` for ``job`` (with ``embeds`` in place of the prompts, if given):
+        the image, the phase clock, and when it finished."""
+        from nostall.serve.prompts import apply
+
+        clock = _PhaseClock(pipe, self.device)
+        try:
+            kwargs = image_kwargs(pipe, job, self.device)
+            if embeds is not None:
+                apply(kwargs, embeds, pipe, self.device)
+            with torch.inference_mode():
+                image = pipe(**kwargs).images[0]
+            _sync(self.device)
+            return image, clock, time.perf_counter()
+        finally:
+            clock.remove()
 
     def _vae(self, name: str) -> tuple[Any, dict[str, Any]]:
         """``name``'s VAE alone (a decode needs neither its transformer nor its text
