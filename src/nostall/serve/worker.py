@@ -29,7 +29,7 @@ import random
 import tempfile
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -162,7 +162,6 @@ class Worker:
         self._thread: threading.Thread | None = None
         self._started_at = time.time()
         self._served = 0  # jobs executed, in order (only the worker thread counts)
-        self._vaes: OrderedDict[str, Any] = OrderedDict()  # decode-only VAEs, by pipeline
         # The embedding service, when configured: FLUX, SDXL and SD3 prompts are encoded
         # there (nostall.serve.prompts), the requests start before the switch and run
         # beside it.
@@ -325,9 +324,13 @@ class Worker:
         if not self._prefetch:
             return
         with self._cond:
-            nxt = next((q.job.model for q in self._queue if not q.cancelled.is_set()), None)
-        if nxt is not None and nxt != current:
-            fut = self.cache.prefetch(nxt, without=self._remote_roles(nxt))
+            nxt = next((q.job for q in self._queue if not q.cancelled.is_set()), None)
+        if nxt is not None and nxt.model != current:
+            try:
+                without = self._without(nxt)
+            except ArgumentError:
+                return  # that job fails when it runs
+            fut = self.cache.prefetch(nxt.model, without=without)
             fut.add_done_callback(_log_prefetch_failure)
 
     def _execute(self, t: _Ticket) -> Result:
@@ -402,7 +405,7 @@ class Worker:
         # With the embedding service, the pipeline is switched in without its text
         # encoders (their bytes stay where they are) while the service encodes the
         # prompt; if the service fails, the encoders are switched in and encode locally.
-        roles = self._remote_roles(job.model)
+        roles = self._without(job)
         remote = self._embed_pool.submit(self._remote_embeds, job) if roles else None
         embeds, text_wait, service_s = None, 0.0, 0.0
         with self.cache.use(job.model, without=roles) as pipe:
@@ -450,47 +453,43 @@ class Worker:
         finally:
             clock.remove()
 
-    def _vae(self, name: str) -> tuple[Any, dict[str, Any]]:
-        """``name``'s VAE alone (a decode needs neither its transformer nor its text
-        encoders): loaded with :func:`nostall.load_model` on first use and kept, the four
-        most recently used, beside the cache's tiers."""
-        import nostall
-
-        vae = self._vaes.get(name)
-        if vae is not None:
-            self._vaes.move_to_end(name)
-            return vae, {"components": [{"role": "vae", "tier": "gpu"}]}
-        c = self.cache.store.entry(name).components.get("vae")
-        if c is None:
-            raise ArgumentError(f"pipeline {name!r} has no vae to decode latents with")
-        vae = nostall.load_model(c.folder, device=self.device).eval()
-        self._vaes[name] = vae
-        while len(self._vaes) > 4:
-            self._vaes.popitem(last=False)
-        return vae, {"components": [{"role": "vae", "tier": "disk"}]}
+    def _without(self, job: ImageJob | VideoJob) -> tuple[str, ...]:
+        """The weights components ``job`` does not need switched in: for a decode,
+        everything but the VAE; for an image, the text encoders the embedding service
+        stands in for."""
+        if isinstance(job, VideoJob):
+            entry = self.cache.store.entry(job.model)
+            if entry.components.get("vae") is None:
+                raise ArgumentError(f"pipeline {job.model!r} has no vae to decode latents with")
+            return tuple(c.role for c in entry.weights if c.role != "vae")
+        return self._remote_roles(job.model)
 
     def _video(self, job: VideoJob, start: float) -> Result:
         from nostall.video import decode_to_file, denormalize
 
-        vae, report = self._vae(job.model)
-        switched = time.perf_counter()
-        z = job.latents.to(self.device, next(vae.parameters()).dtype)
-        if job.denormalize:
-            z = denormalize(vae, z)
         fd, path = tempfile.mkstemp(suffix=".mp4", prefix="nostall-decode-")
         os.close(fd)
         os.remove(path)  # decode_to_file writes a temporary name and renames into it
-        try:
-            t = time.perf_counter()
-            with torch.inference_mode():
-                out = decode_to_file(vae, z, path, fps=job.fps, mode=job.mode)
-            decode_s = time.perf_counter() - t
-            with open(path, "rb") as f:
-                body = f.read()
-        finally:
-            if os.path.exists(path):
-                os.remove(path)
-        phases = {"switch": switched - start, "decode": decode_s}
+        # the pipeline's VAE alone, through the cache (its tiers and budget): a decode
+        # needs neither the transformer nor the text encoders
+        with self.cache.use(job.model, without=self._without(job)) as pipe:
+            switched = time.perf_counter()
+            report = self._switch_report(job.model)
+            vae = pipe.vae
+            z = job.latents.to(self.device, next(vae.parameters()).dtype)
+            if job.denormalize:
+                z = denormalize(vae, z)
+            try:
+                t = time.perf_counter()
+                with torch.inference_mode():
+                    out = decode_to_file(vae, z, path, fps=job.fps, mode=job.mode)
+                decode_s = time.perf_counter() - t
+                with open(path, "rb") as f:
+                    body = f.read()
+            finally:
+                if os.path.exists(path):
+                    os.remove(path)
+        phases = {"switch": switched - start, **_switch_phases(report), "decode": decode_s}
         return Result(body, "video/mp4", phases, report, {"frames": out.frames})
 
     # ---- what the status page shows ----------------------------------------------------
