@@ -239,3 +239,83 @@ def run_fp8_demo(*, device: str) -> dict:
             "compute": fp8_compute(dev),
             "sqnr_db": sqnr_db(a, b),
         }
+
+
+def run_serve_demo(*, device: str) -> tuple[list[dict], bool]:
+    """Serve tiny random FLUX and SDXL pipelines over real HTTP on loopback: the embedding
+    service (``nostall embed-server``) and a worker (``nostall serve``) that encodes its
+    prompts there and so switches the pipelines in without their text encoders. Sends
+    flux, sdxl, flux, sdxl and one request for a model the store does not hold.
+
+    Returns one row per request (status, tiers and bytes of the switch, phase seconds,
+    whether the image equals the same diffusers pipeline's for the seed) and whether all
+    images were equal and the unknown model got its 404."""
+    import base64
+    import io
+    import logging
+
+    import httpx
+    import numpy as np
+    from diffusers import DiffusionPipeline
+    from PIL import Image
+
+    from nostall.bench.stores import write_store
+    from nostall.serve.app import create_app
+    from nostall.serve.embed import EmbeddingService, create_embed_app
+    from nostall.serve.local import BackgroundServer
+    from nostall.serve.worker import Worker
+
+    import diffusers
+    import transformers
+
+    logging.getLogger("diffusers").setLevel(logging.ERROR)
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+    dev = torch.device(device)
+
+    def body(model: str, seed: int) -> dict:
+        b = {"model": model, "prompt": "a lighthouse", "size": "32x32", "steps": 2, "seed": seed}
+        if model == "flux":
+            b["max_sequence_length"] = 16
+        return b
+
+    def reference(path: str, b: dict):
+        pipe = DiffusionPipeline.from_pretrained(path).to(dev)
+        pipe.set_progress_bar_config(disable=True)
+        kw = {"max_sequence_length": 16} if b["model"] == "flux" else {}
+        g = torch.Generator(device=dev.type).manual_seed(b["seed"])
+        image = pipe(prompt=b["prompt"], height=32, width=32, num_inference_steps=2,
+                     generator=g, output_type="pil", **kw).images[0]  # fmt: skip
+        return np.asarray(image)
+
+    rows: list[dict] = []
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = write_store(tmp, ("flux", "sdxl"))
+        service = EmbeddingService(tmp, device=dev)
+        with BackgroundServer(create_embed_app(service)) as embed:
+            worker = Worker(tmp, device=dev, gpu_budget=2_000_000, host_budget=64 << 20,
+                            embed_url=embed.url)  # fmt: skip
+            with BackgroundServer(create_app(worker)) as srv, httpx.Client(timeout=300) as c:
+                for i, model in enumerate(("flux", "sdxl", "flux", "sdxl")):
+                    b = body(model, seed=i)
+                    r = c.post(f"{srv.url}/v1/images/generations", json=b)
+                    row = {"model": model, "status": r.status_code}
+                    if r.status_code == 200:
+                        answer = r.json()
+                        png = base64.b64decode(answer["data"][0]["b64_json"])
+                        image = np.asarray(Image.open(io.BytesIO(png)))
+                        comps = answer["nostall"]["switch"]["components"]
+                        row |= {
+                            "switched": ", ".join(f"{x['role']}={x['tier']}" for x in comps),
+                            "moved_bytes": answer["nostall"]["switch"]["moved_bytes"],
+                            "phases": answer["nostall"]["phases"],
+                            "equal": bool(np.array_equal(image, reference(paths[model], b))),
+                        }
+                    ok &= row.get("equal", False)
+                    rows.append(row)
+                r = c.post(f"{srv.url}/v1/images/generations", json=body("flux-pro", 0))
+                rows.append({"model": "flux-pro", "status": r.status_code,
+                             "error": r.json()["error"]["message"]})  # fmt: skip
+                ok &= r.status_code == 404
+    return rows, ok

@@ -24,6 +24,8 @@ def test_demo_runs_and_checks_equality(tmp_path):
     assert "All tensors equal" in result.output
     assert "decoder mode exact" in result.output and "bit-identical" in result.output
     assert "FP8: nostall quantize converted" in result.output
+    assert "Every served image equal to the same diffusers pipeline's" in result.output
+    assert "no model 'flux-pro'" in result.output
     with av.open(str(video)) as c:
         assert sum(1 for _ in c.decode(video=0)) == 17
 

@@ -75,6 +75,7 @@ def _drive(url: str, stream, clients: int, size: int, steps: int) -> dict[str, A
                     body["max_sequence_length"] = 64
                 t = time.perf_counter()
                 while True:
+                    sent = time.perf_counter()
                     r = c.post(f"{url}/v1/images/generations", json=body)
                     if r.status_code != 429:
                         break
@@ -85,7 +86,7 @@ def _drive(url: str, stream, clients: int, size: int, steps: int) -> dict[str, A
                 out = r.json() if r.status_code == 200 else {"error": r.text}
                 with lock:
                     answers[k] = {"status": r.status_code, "latency": latency, "model": model,
-                                  "seed": seed, "body": out,
+                                  "seed": seed, "body": out, "sent": sent, "done": t + latency,
                                   "worker": r.headers.get("x-nostall-worker"),
                                   "routed_tier": r.headers.get("x-nostall-routed-tier")}  # fmt: skip
 
@@ -177,7 +178,13 @@ def _fleet_part(models, device, clients, n, size, steps, replicas, budgets, log)
             res = _drive(url, _stream(n), clients, size, steps)
             serve.delete(f"fleet{count}")
             answers = res.pop("answers")
-            warm = [a for k, a in answers.items() if k >= len(PIPELINES) * count]
+            # Warm: sent after a first answer for its model came back (then some worker
+            # holds it); concurrent clients make the stream's order no guide.
+            first: dict[str, float] = {}
+            for a in answers.values():
+                if a["status"] == 200:
+                    first[a["model"]] = min(first.get(a["model"], a["done"]), a["done"])
+            warm = [a for a in answers.values() if a["sent"] > first.get(a["model"], float("inf"))]
             holding = [a for a in warm if a["routed_tier"] in ("gpu", "device")]
             res["warm_on_holding_worker_share"] = len(holding) / len(warm) if warm else None
             res["per_worker"] = {

@@ -104,9 +104,12 @@ def demo(
     switch: bool = typer.Option(
         True, "--switch/--no-switch", help="Switch among tiny pipelines through the model cache."
     ),
+    serve: bool = typer.Option(
+        True, "--serve/--no-serve", help="Serve tiny pipelines over HTTP on loopback."
+    ),
 ) -> None:
     """Load a multi-dtype checkpoint with safetensors and nostall and compare; switch whole
-    pipelines through the model cache; decode a video."""
+    pipelines through the model cache; quantize to FP8; serve over HTTP; decode a video."""
     from nostall.demo import run_demo
 
     device = device or _default_device()
@@ -168,6 +171,8 @@ def demo(
         if not fp8["sqnr_db"] > 20:
             console.print("[red]the FP8 transformer's output is far from bf16's[/red]")
             raise typer.Exit(1)
+    if serve:
+        _demo_serve(device)
     if video:
         from nostall.demo import run_video_demo
 
@@ -182,6 +187,48 @@ def demo(
             console.print(f"  decoder mode {mode}: {seconds:.3f} s, frames {same}")
         if modes and not any(m == "exact" and same == "bit-identical" for m, _, same in modes):
             raise typer.Exit(1)  # exact mode must give vae.decode's bits
+
+
+def _demo_serve(device: str) -> None:
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn", "httpx") if importlib.util.find_spec(m) is None]
+    if missing:
+        console.print(
+            f"\nServing skipped: {', '.join(missing)} not installed (pip install nostall[serve])."
+        )
+        return
+    from rich.table import Table
+
+    from nostall.cache.report import human_bytes
+    from nostall.demo import run_serve_demo
+
+    console.print(
+        "\n[bold]Serving[/bold]: nostall embed-server and nostall serve on loopback (real HTTP); "
+        "the worker encodes prompts in the embedding service and switches the pipelines in "
+        "without their text encoders, so its 2 MB device tier, which holds one whole pipeline, "
+        "keeps both."
+    )
+    rows, ok = run_serve_demo(device=device)
+    table = Table(title="POST /v1/images/generations", title_justify="left")
+    for col in ("model", "HTTP", "switched in (tier)", "moved", "switch s", "text s", "denoise s",
+                "image = diffusers"):  # fmt: skip
+        table.add_column(col, justify="right" if col.endswith(" s") or col == "moved" else "left")
+    for r in rows:
+        if "phases" not in r:
+            table.add_row(r["model"], str(r["status"]), r.get("error", "")[:60], "", "", "", "", "")
+            continue
+        ph = r["phases"]
+        table.add_row(
+            r["model"], str(r["status"]), r["switched"], human_bytes(r["moved_bytes"]),
+            f"{ph.get('switch', 0):.3f}", f"{ph.get('text', 0):.3f}", f"{ph.get('denoise', 0):.3f}",
+            "yes" if r["equal"] else "[red]NO[/red]",
+        )  # fmt: skip
+    console.print(table)
+    if not ok:
+        console.print("[red]a served image differs from diffusers', or an answer is wrong[/red]")
+        raise typer.Exit(1)
+    console.print("Every served image equal to the same diffusers pipeline's for its seed.")
 
 
 @app.command()
@@ -753,8 +800,13 @@ def fleet(
     device: str = typer.Option("cuda", help="cuda (one GPU per worker) or cpu."),
     host: str = typer.Option("127.0.0.1", help="Address of Ray Serve's HTTP proxy."),
     port: int = typer.Option(8000, help="Port."),
-    gpu_budget_gb: float = typer.Option(None, help="Each worker's device tier."),
-    host_budget_gb: float = typer.Option(None, help="Each worker's pinned host tier."),
+    gpu_budget_gb: float = typer.Option(
+        None, help="Each worker's device tier (default: 80% of its GPU's free memory)."
+    ),
+    host_budget_gb: float = typer.Option(
+        None,
+        help="Each worker's pinned host tier (default: half the memory, shared by the workers).",
+    ),
     address: str = typer.Option(None, help="A running Ray cluster (default: start one here)."),
 ) -> None:
     """Run workers on Ray Serve, one per GPU, behind a router that sends each request to

@@ -26,6 +26,11 @@ Scaling to a Ray cluster: start Ray on each node (``ray start --head`` on one,
 worker per GPU wherever the GPUs are; the router and the HTTP proxy run on the head.
 Each worker's cache reads the store from its own node (a shared file system or a copy
 per node).
+
+Memory: unless ``worker_options`` set them, each worker's pinned host tier is half the
+host's memory limit divided by ``replicas`` (and on CPU workers the device tier a quarter,
+likewise), so the workers of one host together take what one worker alone would. On a
+cluster, pass ``host_budget`` for each node's share.
 """
 
 # No "from __future__ import annotations": Ray pickles the deployments by value, and
@@ -91,11 +96,16 @@ def build_fleet(
         def __init__(self, index: int):
             import ray
 
+            from nostall.memory.host import memory_limit
             from nostall.serve.worker import Worker
 
             self.index = index
             self.actor = ray.get_runtime_context().get_actor_name()  # for operators (and tests)
-            self.worker = Worker(models, device=device, **opts).start()
+            limit = memory_limit()[0] or (16 << 30)
+            budgets = {"host_budget": limit // 2 // replicas}
+            if not gpus:
+                budgets["gpu_budget"] = limit // 4 // replicas
+            self.worker = Worker(models, device=device, **{**budgets, **opts}).start()
 
         async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
             from nostall.errors import UnknownModel
