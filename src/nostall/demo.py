@@ -254,8 +254,10 @@ def run_serve_demo(*, device: str) -> tuple[list[dict], bool]:
     import io
     import logging
 
+    import diffusers
     import httpx
     import numpy as np
+    import transformers
     from diffusers import DiffusionPipeline
     from PIL import Image
 
@@ -264,9 +266,6 @@ def run_serve_demo(*, device: str) -> tuple[list[dict], bool]:
     from nostall.serve.embed import EmbeddingService, create_embed_app
     from nostall.serve.local import BackgroundServer
     from nostall.serve.worker import Worker
-
-    import diffusers
-    import transformers
 
     logging.getLogger("diffusers").setLevel(logging.ERROR)
     diffusers.utils.logging.disable_progress_bar()

@@ -104,3 +104,14 @@ def test_a_worker_killed_mid_request_is_retried_on_the_other(fleet_url):
     r = result["r"]
     assert r.status_code == 200, r.text
     assert int(r.headers["x-nostall-worker"]) == 1 - holder  # served by the other worker
+
+
+def test_workers_of_one_host_share_its_memory_by_default():
+    from nostall.serve.fleet import worker_budgets
+
+    gb = 1 << 30
+    assert worker_budgets(2, gpu=True, options={}, limit=256 * gb) == {"host_budget": 64 * gb}
+    cpu = worker_budgets(4, gpu=False, options={"max_queue": 3}, limit=16 * gb)
+    assert cpu == {"host_budget": 2 * gb, "gpu_budget": gb, "max_queue": 3}
+    given = worker_budgets(2, gpu=True, options={"host_budget": 5}, limit=256 * gb)
+    assert given == {"host_budget": 5}  # what the user gives wins

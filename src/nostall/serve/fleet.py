@@ -47,7 +47,7 @@ from fastapi.responses import JSONResponse, Response
 
 from nostall.errors import ArgumentError, NostallError
 
-__all__ = ["build_fleet", "route_cost"]
+__all__ = ["build_fleet", "route_cost", "worker_budgets"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,20 @@ def _tier(tiers: list[str] | None) -> str:
     return "disk"
 
 
+def worker_budgets(
+    replicas: int, *, gpu: bool, options: dict[str, Any], limit: int | None = None
+) -> dict[str, Any]:
+    """One worker's options: ``options``, with the host tier (and on a CPU the device
+    tier) defaulting to the one-worker default divided by ``replicas``."""
+    from nostall.memory.host import memory_limit
+
+    limit = limit or memory_limit()[0] or (16 << 30)
+    out = {"host_budget": limit // 2 // replicas}
+    if not gpu:
+        out["gpu_budget"] = limit // 4 // replicas
+    return {**out, **options}
+
+
 def build_fleet(
     models: str,
     *,
@@ -96,16 +110,12 @@ def build_fleet(
         def __init__(self, index: int):
             import ray
 
-            from nostall.memory.host import memory_limit
             from nostall.serve.worker import Worker
 
             self.index = index
             self.actor = ray.get_runtime_context().get_actor_name()  # for operators (and tests)
-            limit = memory_limit()[0] or (16 << 30)
-            budgets = {"host_budget": limit // 2 // replicas}
-            if not gpus:
-                budgets["gpu_budget"] = limit // 4 // replicas
-            self.worker = Worker(models, device=device, **{**budgets, **opts}).start()
+            budgets = worker_budgets(replicas, gpu=bool(gpus), options=opts)
+            self.worker = Worker(models, device=device, **budgets).start()
 
         async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
             from nostall.errors import UnknownModel
