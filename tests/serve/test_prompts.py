@@ -52,3 +52,19 @@ def test_pipelines_the_service_cannot_encode_for_are_local():
     roles = {"text_encoder", "text_encoder_2", "transformer"}
     assert remote_prompt_embeds(_fake(calls), "m", "StableDiffusion3Pipeline", roles, "x") is None
     assert calls == []
+
+
+def test_embeddings_take_the_encoders_dtype_or_else_the_denoisers():
+    from types import SimpleNamespace
+
+    from nostall.serve.prompts import apply
+
+    e = {"prompt_embeds": torch.ones(1, 2, 3), "negative_prompt_embeds": torch.ones(1, 2, 3)}
+    kw = {"prompt": "x", "negative_prompt": "y", "height": 8}
+    bf16 = SimpleNamespace(dtype=torch.bfloat16)
+    apply(kw, e, SimpleNamespace(text_encoder=None, transformer=bf16), "cpu")
+    assert kw.keys() == {"height", "prompt_embeds", "negative_prompt_embeds"}
+    assert kw["prompt_embeds"].dtype == torch.bfloat16  # no encoders: the transformer's
+    kw = {"prompt": "x"}
+    apply(kw, e, SimpleNamespace(text_encoder=SimpleNamespace(dtype=torch.float16)), "cpu")
+    assert kw["prompt_embeds"].dtype == torch.float16

@@ -107,11 +107,12 @@ def remote_prompt_embeds(
 
 def apply(kwargs: dict[str, Any], embeds: dict[str, torch.Tensor], pipe: Any, device) -> None:
     """Swap ``prompt``/``negative_prompt`` in a pipeline call for ``embeds``, on the
-    pipeline's device in its text encoders' dtype (the dtype a local encode gives)."""
+    pipeline's device in its text encoders' dtype (the dtype a local encode gives), or,
+    with the encoders left out, its denoiser's (as the pipelines fall back to)."""
     dtype = next(
         (
             m.dtype
-            for name in ("text_encoder", "text_encoder_2", "text_encoder_3")
+            for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "unet")
             if (m := getattr(pipe, name, None)) is not None
         ),
         None,
