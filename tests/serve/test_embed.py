@@ -256,3 +256,17 @@ def test_the_service_exports_prometheus_metrics(embed):
     assert samples[("nostall_embed_texts_total", (("source", "cache"),))] == 2
     assert samples[("nostall_embed_batch_texts_count", ())] >= 1
     assert samples[("nostall_embed_cache_bytes", ())] > 0
+
+
+def test_left_out_encoders_on_disk_do_not_make_a_model_look_cold(embed, serve):
+    embed_server, _ = embed()
+    server, worker = serve(prepare=False, embed_url=embed_server.url)
+    with worker.cache.use("flux"):  # the encoders were once switched in (a local encode)
+        pass
+    worker.cache.evict("all")  # everything on disk now
+    r = httpx.post(f"{server.url}/v1/images/generations", json=_body(), timeout=120)
+    assert r.status_code == 200 and _roles(r) == {"transformer", "vae"}
+    tiers = {c["roles"][0]: c["tier"] for c in worker.cache.stats().components.values()}
+    assert tiers["text_encoder_2"] == "disk" and tiers["transformer"] == "gpu"
+    # what a flux image job waits for is on the GPU: the fleet's router must see that
+    assert worker.status()["models"]["flux"] == ["gpu"]

@@ -502,7 +502,10 @@ class Worker:
         resident: dict[str, set[str]] = {}
         for comp in stats.components.values():
             for p in comp["pipelines"]:
-                resident.setdefault(p, set()).add(comp["tier"])
+                # text encoders the embedding service stands in for are not part of what
+                # an image job of p waits for (the fleet routes by these tiers)
+                if not set(comp["roles"]) <= set(self._remote_roles(p)):
+                    resident.setdefault(p, set()).add(comp["tier"])
         return {
             "device": stats.device,
             "ready": self.ready,
