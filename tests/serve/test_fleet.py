@@ -1,5 +1,6 @@
-"""The fleet on a local Ray instance with two CPU workers: a second request for a model
-lands on the worker that loaded it; an unseen model goes to the other, idle one."""
+"""The fleet on a local Ray instance with two CPU workers and the embedding service: a
+second request for a model lands on the worker that loaded it; an unseen model goes to
+the other, idle one; prompts are encoded by the service."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ serve = pytest.importorskip("ray.serve")
 
 @pytest.fixture(scope="module")
 def fleet_url(store):
-    from nostall.serve.fleet import build_fleet
+    from nostall.serve.fleet import build_embed, build_fleet
 
     ray.init(
         num_cpus=4,
@@ -25,12 +26,15 @@ def fleet_url(store):
     )
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # the embedding service as the second application; the workers encode there
+    serve.run(build_embed(str(store), device="cpu"), name="embed", route_prefix="/embed")
     app = build_fleet(
         str(store),
         replicas=2,
         device="cpu",
-        worker_options={"gpu_budget": 8 << 20, "host_budget": 32 << 20, "prepare": False},
-    )
+        worker_options={"gpu_budget": 8 << 20, "host_budget": 32 << 20, "prepare": False,
+                        "embed_url": f"http://127.0.0.1:{port}/embed"},
+    )  # fmt: skip
     serve.run(app, name="nostall", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
@@ -59,6 +63,13 @@ def test_requests_go_where_the_model_is(fleet_url):
     assert int(again_b.headers["x-nostall-worker"]) == 1 - w
     state = httpx.get(f"{fleet_url}/fleet").json()
     assert [r["worker"] for r in state["routed"]] == [w, 1 - w, w, 1 - w]
+    # the prompts were encoded by the embedding service: no text encoder was switched in
+    for r in (first, other, again, again_b):
+        roles = {c["role"] for c in r.json()["nostall"]["switch"]["components"]}
+        assert not any(role.startswith("text_encoder") for role in roles), roles
+    stats = httpx.get(f"{fleet_url}/embed/stats").json()
+    assert stats["texts_encoded"] == 4  # CLIP + T5 for flux, CLIP-L + CLIP-G for sdxl, once
+    assert stats["cache"]["hits"] == 4  # the second flux and sdxl prompts
 
 
 def test_the_fleet_answers_bad_requests_clearly(fleet_url):

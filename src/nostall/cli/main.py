@@ -808,23 +808,40 @@ def fleet(
         help="Each worker's pinned host tier (default: half the memory, shared by the workers).",
     ),
     address: str = typer.Option(None, help="A running Ray cluster (default: start one here)."),
+    embed: bool = typer.Option(
+        False,
+        "--embed/--no-embed",
+        help="Also run the embedding service (at /embed, beside a worker on its GPU); the "
+        "workers encode FLUX, SDXL and SD3 prompts there and leave their text encoders out.",
+    ),
 ) -> None:
     """Run workers on Ray Serve, one per GPU, behind a router that sends each request to
     the worker that can serve its model soonest (GPU, then host memory, then disk)."""
     import ray
     from ray import serve as ray_serve
 
-    from nostall.serve.fleet import build_fleet
+    from nostall.serve.fleet import build_embed, build_fleet
 
     opts = {}
+    share = 1.0
+    if embed:
+        local = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        opts["embed_url"] = f"http://{local}:{port}/embed"
+        share = 0.9
     if gpu_budget_gb:
         opts["gpu_budget"] = int(gpu_budget_gb * 1e9)
     if host_budget_gb:
         opts["host_budget"] = int(host_budget_gb * 1e9)
     with _option():
-        app_ = build_fleet(models, replicas=replicas, device=device, worker_options=opts)
+        app_ = build_fleet(
+            models, replicas=replicas, device=device, worker_options=opts, gpu_share=share
+        )
+        embed_app = build_embed(models, device=device, gpu_share=1 - share) if embed else None
     ray.init(address=address, include_dashboard=False)
     ray_serve.start(http_options={"host": host, "port": port})
+    if embed_app is not None:
+        ray_serve.run(embed_app, name="embed", route_prefix="/embed")
+        console.print(f"nostall fleet: embedding service at http://{host}:{port}/embed")
     console.print(f"nostall fleet: {replicas} workers; http://{host}:{port}/v1/images/generations")
     ray_serve.run(app_, name="nostall", route_prefix="/", blocking=True)
 

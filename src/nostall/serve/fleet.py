@@ -20,6 +20,13 @@ speed, one that must read it for the disk's. So this fleet routes itself:
 * a worker that dies mid-request is marked down for a while and the request is retried
   on the next cheapest one.
 
+The embedding service (:mod:`nostall.serve.embed`) runs as a second application,
+:func:`build_embed`, under the route prefix ``/embed``; the workers are given its URL
+through Ray Serve's HTTP proxy (``embed_url``), encode prompts there and switch their
+pipelines in without the text encoders. On GPUs it takes a small share of one GPU
+(``gpu_share``) and the workers ask for the rest of theirs, so Ray puts it beside a
+worker.
+
 Scaling to a Ray cluster: start Ray on each node (``ray start --head`` on one,
 ``ray start --address=HEAD:6379`` on the others, each node with its GPUs), then run
 ``nostall fleet --replicas N`` with N the number of GPUs in the cluster: Ray places one
@@ -47,7 +54,7 @@ from fastapi.responses import JSONResponse, Response
 
 from nostall.errors import ArgumentError, NostallError
 
-__all__ = ["build_fleet", "route_cost", "worker_budgets"]
+__all__ = ["build_embed", "build_fleet", "route_cost", "worker_budgets"]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +95,39 @@ def worker_budgets(
     return {**out, **options}
 
 
+def build_embed(
+    models: str,
+    *,
+    device: str = "cuda",
+    gpu_share: float = 0.1,
+    options: dict[str, Any] | None = None,
+):
+    """The embedding service as a Ray Serve application (one replica). Run it with
+    ``serve.run(build_embed(...), name="embed", route_prefix="/embed")`` and give the
+    workers ``embed_url="http://<proxy>/embed"``. ``options``: EmbeddingService's."""
+    from ray import serve
+
+    if not 0.0 < gpu_share < 1.0:
+        raise ArgumentError(f"gpu_share={gpu_share!r} must be in (0, 1)")
+    opts = dict(options or {})
+
+    def embed_app():  # runs in the replica: the service and its FastAPI app live there
+        from nostall.serve.embed import EmbeddingService, create_embed_app
+
+        service = EmbeddingService(models, device=device, **opts)
+        service.start()  # (the app's lifespan starts it too; starting twice is a no-op)
+        return create_embed_app(service)
+
+    gpus = gpu_share if device.startswith("cuda") else 0
+    deployment = serve.deployment(
+        serve.ingress(embed_app)(),
+        name="embed",
+        num_replicas=1,
+        ray_actor_options={"num_gpus": gpus, "num_cpus": 1},
+    )
+    return deployment.bind()
+
+
 def build_fleet(
     models: str,
     *,
@@ -95,14 +135,19 @@ def build_fleet(
     device: str = "cuda",
     worker_options: dict[str, Any] | None = None,
     down_s: float = 30.0,
+    gpu_share: float = 1.0,
 ):
     """The Ray Serve application: ``replicas`` workers and the routing ingress. Run it
-    with ``serve.run(build_fleet(...))``."""
+    with ``serve.run(build_fleet(...))``. ``gpu_share``: the GPU fraction each worker
+    asks Ray for (below 1 when the embedding service shares a GPU; more than half keeps
+    one worker per GPU)."""
     from ray import serve
 
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ArgumentError(f"replicas={replicas!r}: give one or more workers")
-    gpus = 1 if device.startswith("cuda") else 0
+    if not 0.5 < gpu_share <= 1.0:
+        raise ArgumentError(f"gpu_share={gpu_share!r} must be in (0.5, 1]: one worker per GPU")
+    gpus = gpu_share if device.startswith("cuda") else 0
     opts = dict(worker_options or {})
 
     @serve.deployment(num_replicas=1, ray_actor_options={"num_gpus": gpus, "num_cpus": 1})
