@@ -45,3 +45,15 @@ def test_serve_boots_answers_and_stops_on_sigterm(store):
     assert proc.returncode in (0, -signal.SIGTERM), out
     assert "Application shutdown complete" in out
     assert "nostall worker: 4 pipelines on cpu" in out
+
+
+def test_fleet_options_are_checked_before_ray_starts(store):
+    import pytest
+
+    pytest.importorskip("ray")
+    from typer.testing import CliRunner
+
+    from nostall.cli.main import app
+
+    r = CliRunner().invoke(app, ["fleet", "--models", str(store), "--replicas", "0", "--embed"])
+    assert r.exit_code != 0 and "replicas=0" in r.output
