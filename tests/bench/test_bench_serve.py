@@ -26,6 +26,9 @@ def test_tiny_serve_bench_runs_from_the_cli(tmp_path):
     assert w["answered_200"] == 12 and w["mixed_up"] == 0 and w["lost_or_failed"] == 0
     assert w["rejected_429_retried"] > 0  # 6 clients, a queue of 3: 429s, honoured
     assert w["warm_switches_from_memory_share"] == 1.0, w["warm_switches_not_from_memory"]
+    we = w["with_embedding_service"]  # the same stream, prompts encoded by the service
+    assert we["answered_200"] == 12 and we["mixed_up"] == 0 and we["texts_encoded"] > 0
+    assert 0 < we["moved_bytes_per_request"] < w["moved_bytes_per_request"]  # no encoders
     e = report["results"]["embed"]
     assert e["batched"]["batches"] < e["one_at_a_time"]["batches"]
     assert 0 < e["cache_hit_ms_p50"] < 1000

@@ -5,7 +5,10 @@ through real HTTP on loopback.
   SD3 layouts) to ``nostall serve``'s app; a 429 is honoured (the client waits and sends
   again). Checked: every request answered once, with its own model and seed; after the
   first pass over the three pipelines, the share of requests whose switch found every
-  component in memory (GPU or pinned host tier). Reported: p50/p99 latency, throughput.
+  component in memory (GPU or pinned host tier). Reported: p50/p99 latency, throughput,
+  bytes moved per request; then the same stream through a worker that encodes its
+  prompts in an embedding service and switches pipelines in without their text encoders
+  (``with_embedding_service``).
 * **fleet** (Ray Serve, ``replicas`` workers, one GPU each on a GPU machine): the same
   stream through the router; the share of warm requests routed to a worker already
   holding their pipeline on the device, and throughput against a fleet of one.
@@ -118,13 +121,46 @@ def _drive(url: str, stream, clients: int, size: int, steps: int) -> dict[str, A
 
 
 def _worker_part(models, device, clients, n, size, steps, budgets, log) -> dict[str, Any]:
+    """The stream through one worker; then the same stream through a worker that encodes
+    its prompts in an embedding service on the same device (``with_embedding_service``:
+    the bytes its switches move without the text encoders, its latency)."""
+    from nostall.serve.embed import EmbeddingService, create_embed_app
+    from nostall.serve.local import BackgroundServer
+
+    res = _worker_run(models, device, clients, n, size, steps, budgets, None)
+    log(
+        f"worker: {res['answered_200']}/{res['requests']} answered, {res['mixed_up']} mixed up, "
+        f"{res['rejected_429_retried']} 429s retried, {res['throughput_per_s']:.2f} req/s, "
+        f"p50 {res['latency_p50_s']:.3f} s, p99 {res['latency_p99_s']:.3f} s, warm switches "
+        f"from memory {res['warm_switches_from_memory_share']:.2%}, "
+        f"{res['moved_bytes_per_request'] / 1e6:.1f} MB moved per request"
+    )
+    service = EmbeddingService(models, device=device)
+    with BackgroundServer(create_embed_app(service)) as embed:
+        e = _worker_run(models, device, clients, n, size, steps, budgets, embed.url)
+    e["texts_encoded"] = service.stats()["texts_encoded"]
+    res["with_embedding_service"] = e
+    log(
+        f"worker + embedding service: {e['answered_200']}/{e['requests']} answered, "
+        f"{e['mixed_up']} mixed up, {e['throughput_per_s']:.2f} req/s, p50 "
+        f"{e['latency_p50_s']:.3f} s, {e['moved_bytes_per_request'] / 1e6:.1f} MB moved per "
+        f"request (text encoders left out)"
+    )
+    return res
+
+
+def _worker_run(models, device, clients, n, size, steps, budgets, embed_url) -> dict[str, Any]:
     from nostall.serve.app import create_app
     from nostall.serve.local import BackgroundServer
     from nostall.serve.worker import Worker
 
-    worker = Worker(models, device=device, max_queue=clients // 2, **budgets)
+    worker = Worker(models, device=device, max_queue=clients // 2, embed_url=embed_url, **budgets)
     with BackgroundServer(create_app(worker)) as srv:
         res = _drive(srv.url, _stream(n), clients, size, steps)
+    # every switch and prefetch (which of the two moves a component depends on timing)
+    reports = list(worker.cache.reports)
+    res["moved_bytes_total"] = sum(r.moved_bytes for r in reports)
+    res["moved_bytes_complete"] = len(reports) < worker.cache.reports.maxlen
     # Warm: served after the first served request of its pipeline (the order the worker ran
     # them, not the stream's: 429 retries reorder concurrent clients).
     answers = res.pop("answers")
@@ -149,12 +185,7 @@ def _worker_part(models, device, clients, n, size, steps, budgets, log) -> dict[
          "tiers": sorted({c["tier"] for c in a["body"]["nostall"]["switch"]["components"]})}
         for a in other
     ]  # fmt: skip
-    log(
-        f"worker: {res['answered_200']}/{res['requests']} answered, {res['mixed_up']} mixed up, "
-        f"{res['rejected_429_retried']} 429s retried, {res['throughput_per_s']:.2f} req/s, "
-        f"p50 {res['latency_p50_s']:.3f} s, p99 {res['latency_p99_s']:.3f} s, warm switches "
-        f"from memory {res['warm_switches_from_memory_share']:.2%}"
-    )
+    res["moved_bytes_per_request"] = res["moved_bytes_total"] / max(1, len(served))
     return res
 
 
