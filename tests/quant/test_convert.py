@@ -234,3 +234,232 @@ def test_outputs_it_may_not_write_are_argument_errors(src_file, tmp_path):
         nostall.quantize(tmp_path, tmp_path / "inside")
     with pytest.raises(ArgumentError, match="does not exist"):
         nostall.quantize(src_file, tmp_path / "no" / "such.safetensors")
+
+
+# ---- bad input and faults ----------------------------------------------------------------
+
+
+def _component(folder):
+    """A diffusers-style component folder: config.json and one weights file."""
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    save_file(_tensors(), str(folder / "model.safetensors"))
+    return folder
+
+
+def _snapshot(root):
+    return sorted(
+        os.path.relpath(os.path.join(d, n), root) for d, ds, fs in os.walk(root) for n in ds + fs
+    )
+
+
+def test_an_output_inside_the_input_through_a_symlink_is_refused(tmp_path):
+    src = _component(tmp_path / "src")
+    (tmp_path / "link").symlink_to(src, target_is_directory=True)
+    before = _snapshot(tmp_path)
+    with pytest.raises(ArgumentError, match="overlaps") as e:
+        nostall.quantize(src, tmp_path / "link" / "out")
+    assert str(tmp_path / "link" / "out") in str(e.value)
+    assert _snapshot(tmp_path) == before  # nothing written into the input
+
+
+def test_an_input_reached_through_a_symlink_into_the_output_is_refused(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    _component(out / "comp")
+    (tmp_path / "in").symlink_to(out / "comp", target_is_directory=True)
+    before = _snapshot(tmp_path)
+    # with overwrite, the old code removed `out` (and so the input) after converting
+    with pytest.raises(ArgumentError, match="overlaps"):
+        nostall.quantize(tmp_path / "in", out, overwrite=True)
+    assert _snapshot(tmp_path) == before
+
+
+def test_an_output_that_is_a_symlink_to_the_input_file_is_refused(src_file, tmp_path):
+    (tmp_path / "link.safetensors").symlink_to(src_file)
+    with pytest.raises(ArgumentError, match="overlaps"):
+        nostall.quantize(src_file, tmp_path / "link.safetensors", overwrite=True)
+    assert load_file(str(src_file)).keys() == _tensors().keys()
+
+
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_an_existing_partial_is_refused_and_left_alone(tmp_path, kind):
+    if kind == "file":
+        src = tmp_path / "model.safetensors"
+        save_file(_tensors(), str(src))
+        out = tmp_path / "fp8.safetensors"
+        partial = tmp_path / "fp8.safetensors.partial"
+        partial.write_text("mine")
+        mine = partial
+    else:
+        src = _component(tmp_path / "src")
+        out = tmp_path / "fp8"
+        partial = tmp_path / "fp8.partial"
+        partial.mkdir()
+        mine = partial / "notes.txt"
+        mine.write_text("mine")
+    with pytest.raises(ArgumentError, match="move or delete it") as e:
+        nostall.quantize(src, out)
+    assert str(partial) in str(e.value)
+    assert mine.read_text() == "mine" and not out.exists()
+
+
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_a_partial_that_appears_after_the_checks_is_not_overwritten(tmp_path, kind, monkeypatch):
+    # Another run creating <dst>.partial between the checks and the write: the exclusive
+    # create (O_EXCL, os.mkdir) refuses it instead of truncating or deleting it.
+    if kind == "file":
+        src, out = tmp_path / "model.safetensors", tmp_path / "fp8.safetensors"
+        save_file(_tensors(), str(src))
+    else:
+        src, out = _component(tmp_path / "src"), tmp_path / "fp8"
+    partial = tmp_path / (out.name + ".partial")
+    real_check = convert_mod._check_target
+
+    def check_then_race(*args):
+        real_check(*args)
+        partial.write_text("theirs")
+
+    monkeypatch.setattr(convert_mod, "_check_target", check_then_race)
+    with pytest.raises(ArgumentError, match="move or delete it"):
+        nostall.quantize(src, out)
+    assert partial.read_text() == "theirs" and not out.exists()
+
+
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_the_output_is_written_under_a_temporary_name_and_renamed(tmp_path, kind):
+    if kind == "file":
+        src, out = tmp_path / "model.safetensors", tmp_path / "fp8.safetensors"
+        save_file(_tensors(), str(src))
+    else:
+        src, out = _component(tmp_path / "src"), tmp_path / "fp8"
+    partial = tmp_path / (out.name + ".partial")
+    seen = []
+    nostall.quantize(
+        src, out, progress=lambda d, t: seen.append((d, out.exists(), partial.exists()))
+    )
+    mid = [(o, p) for d, o, p in seen if d > 0]
+    assert mid and all(p and not o for o, p in mid)  # mid-write: only the .partial exists
+    assert out.exists() and not partial.exists()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize(
+    "name, index",
+    [
+        ("blocks.0.attn.to_q.weight", (0, 0)),  # quantized: first element
+        ("blocks.0.ff2.weight", (31, 47)),  # quantized, fp32: last element
+        ("blocks.0.attn.to_q.bias", (37,)),  # kept
+        ("embed_tokens.weight", (100, 5)),  # kept (skip list)
+    ],
+)
+def test_non_finite_weights_are_refused_and_nothing_is_written(tmp_path, name, index, value):
+    t = _tensors()
+    t[name][index] = value
+    t[name][1] = value  # more bad values (a whole row for 2-D tensors)
+    bad = int((~torch.isfinite(t[name])).sum())
+    assert bad > 1
+    src = tmp_path / "model.safetensors"
+    save_file(t, str(src))
+    out = tmp_path / "fp8.safetensors"
+    with pytest.raises(CheckpointError, match="not finite") as e:
+        nostall.quantize(src, out)
+    assert e.value.path == str(src) and e.value.tensor == name
+    assert f"{bad} of {t[name].numel()} values" in str(e.value)
+    assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]
+
+
+def test_non_finite_weights_in_a_folder_leave_no_partial_folder(tmp_path):
+    src = _component(tmp_path / "src")
+    t = _tensors()
+    t["blocks.0.ff2.weight"][3, 3] = float("nan")
+    save_file(t, str(src / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"1 of 1536 values are not finite \(1 NaN"):
+        nostall.quantize(src, tmp_path / "fp8")
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+@pytest.mark.parametrize(
+    "skip, says",
+    [
+        (["("], r"skip pattern '\(' is not a valid regular expression \(missing \)"),
+        ([r"attn\.", "[a-"], r"'\[a-' is not a valid regular expression"),
+        ([1], "is a int, not a string"),
+        ([b"attn"], "is a bytes, not a string"),
+        ("attn", r"a list of regular expressions, not str 'attn'; write skip=\['attn'\]"),
+        (None, "a list of regular expressions, not NoneType"),
+    ],
+)
+def test_bad_skip_patterns_are_refused_before_anything_is_read(tmp_path, skip, says):
+    # The input does not exist: reading anything would raise CheckpointError instead.
+    with pytest.raises(ArgumentError, match=says):
+        nostall.quantize(tmp_path / "missing.safetensors", tmp_path / "out.safetensors", skip=skip)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_failed_copy_is_a_typed_error_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+    import shutil
+
+    src = _component(tmp_path / "src")
+
+    def full(a, b):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), a, None, b)
+
+    monkeypatch.setattr(shutil, "copy2", full)
+    with pytest.raises(CheckpointError, match=r"No space left on device \(ENOSPC\)") as e:
+        nostall.quantize(src, tmp_path / "fp8")
+    assert e.value.path == str(tmp_path / "fp8.partial" / "config.json")
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def test_sigterm_is_handled_only_during_the_write_and_restored(src_file, tmp_path):
+    import signal
+    import threading
+
+    during = []
+    nostall.quantize(
+        src_file,
+        tmp_path / "a.safetensors",
+        progress=lambda d, t: during.append(signal.getsignal(signal.SIGTERM)),
+    )
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert during[-1] is not signal.SIG_DFL and callable(during[-1])
+
+    def mine(signum, frame):  # an application's own handler is its choice: left alone
+        pass
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        during.clear()
+        nostall.quantize(
+            src_file,
+            tmp_path / "b.safetensors",
+            progress=lambda d, t: during.append(signal.getsignal(signal.SIGTERM)),
+        )
+        assert set(during) == {mine} and signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    # off the main thread, signal.signal would raise ValueError: no handler is installed
+    errors = []
+    worker = threading.Thread(
+        target=lambda: errors.append(nostall.quantize(src_file, tmp_path / "c.safetensors"))
+    )
+    worker.start()
+    worker.join()
+    assert (tmp_path / "c.safetensors").exists()
+
+
+def test_a_pipelines_vae_is_copied_as_it_is(tmp_path):
+    import filecmp
+
+    from nostall.bench.stores import write_store
+
+    flux = write_store(tmp_path / "s", ("flux",))["flux"]
+    report = nostall.quantize(flux, tmp_path / "flux8")
+    vae = [f for f in os.listdir(os.path.join(flux, "vae")) if f.endswith(".safetensors")]
+    assert vae and all(
+        filecmp.cmp(os.path.join(flux, "vae", f), tmp_path / "flux8" / "vae" / f, shallow=False)
+        for f in vae
+    )
+    assert not any("/vae/" in f for f in report.files)

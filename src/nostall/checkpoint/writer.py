@@ -4,8 +4,12 @@
 checkpoint converted that way needs 24 GB of RAM. The format only needs the header
 first: the names, dtypes and shapes (hence every byte range) are known before any
 data is written, so :class:`StreamWriter` writes the header, then each tensor's bytes
-in order, under a temporary name that is renamed into place by :meth:`close` (an
-error or :meth:`abort` leaves nothing under either name). The header follows the
+in order, under a temporary name, ``<path>.partial``, that is renamed into place by
+:meth:`close` (an error or :meth:`abort` leaves nothing under either name). The
+temporary file is created exclusively: an existing ``<path>.partial`` (a leftover of a
+killed run, or someone's file) is refused with :class:`~nostall.ArgumentError`, never
+truncated or deleted. A failed write (disk full, ``EFBIG``) is a
+:class:`~nostall.CheckpointError` naming ``path`` and the errno. The header follows the
 library's own writer: JSON padded with spaces to a multiple of 8 bytes, data ranges
 back to back in the declared order; ``safetensors.safe_open`` reads the result.
 """
@@ -13,6 +17,7 @@ back to back in the declared order; ``safetensors.safe_open`` reads the result.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -23,6 +28,27 @@ from nostall.checkpoint.dtypes import BITS, dtype_name
 from nostall.errors import ArgumentError, CheckpointError
 
 __all__ = ["StreamWriter"]
+
+# What to do about a failed write, by errno; anything else gets all three hints.
+_WRITE_FIXES = {
+    errno.ENOSPC: "free disk space",
+    getattr(errno, "EDQUOT", -1): "free space within the disk quota",
+    errno.EFBIG: "raise the file-size limit (ulimit -f) or write to a file system that "
+    "takes files this large",
+    errno.EACCES: "check the folder's permissions",
+    errno.EPERM: "check the folder's permissions",
+    errno.EROFS: "write to a writable file system",
+}
+
+
+def describe_write_error(e: OSError) -> str:
+    """The OS's words, the errno's name and the fix: ``"File too large (EFBIG); raise
+    the file-size limit (ulimit -f) ..."``."""
+    code = errno.errorcode.get(e.errno or 0)
+    fix = _WRITE_FIXES.get(
+        e.errno or 0, "check free disk space, the file-size limit (ulimit -f) and permissions"
+    )
+    return f"{e.strerror or e}" + (f" ({code})" if code else "") + f"; {fix}"
 
 
 class StreamWriter:
@@ -59,13 +85,23 @@ class StreamWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         self._next = 0
+        self._created = False  # only a temporary file this writer created is removed
         try:
-            self._file = open(self._tmp, "wb")  # noqa: SIM115 (closed in close/abort)
+            # "xb": exclusive, so an existing .partial is neither truncated nor deleted.
+            self._file = open(self._tmp, "xb")  # noqa: SIM115 (closed in close/abort)
+            self._created = True
             self._file.write(len(raw).to_bytes(8, "little"))
             self._file.write(raw)
+        except FileExistsError as e:
+            raise ArgumentError(
+                f"{self._tmp!r} exists: the output is written there before it is renamed "
+                f"to {self.path!r}, and a file this writer did not create is not deleted "
+                "(a leftover of an interrupted run, or yours); move or delete it, then run "
+                "again"
+            ) from e
         except OSError as e:
             self._discard()
-            raise CheckpointError(f"cannot write: {e.strerror or e}", path=self._tmp) from e
+            raise self._failed(e, "write") from e
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Write the next declared tensor (CPU, contiguous or not)."""
@@ -83,7 +119,7 @@ class StreamWriter:
             self._file.write(memoryview(data.numpy()))
         except OSError as e:
             self.abort()
-            raise CheckpointError(f"cannot write: {e.strerror or e}", path=self._tmp) from e
+            raise self._failed(e, "write") from e
         self._next += 1
 
     def close(self) -> None:
@@ -97,20 +133,33 @@ class StreamWriter:
             os.fsync(self._file.fileno())
             self._file.close()
             os.replace(self._tmp, self.path)
+            self._created = False  # renamed: the .partial name is no longer ours
         except OSError as e:
             self._discard()
-            raise CheckpointError(f"cannot finish: {e.strerror or e}", path=self.path) from e
+            raise self._failed(e, "finish") from e
 
     def abort(self) -> None:
         """Drop the partial file. Idempotent."""
         self._discard()
 
+    def _failed(self, e: OSError, what: str) -> CheckpointError:
+        return CheckpointError(
+            f"cannot {what} the file: {describe_write_error(e)}, then write it again "
+            f"(nothing was left under this name or {os.path.basename(self._tmp)!r})",
+            path=self.path,
+        )
+
     def _discard(self) -> None:
         f = getattr(self, "_file", None)
         if f is not None and not f.closed:
-            f.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._tmp)
+            # close() flushes the buffer, which fails again on a full disk; the file is
+            # being thrown away, so that second error says nothing new.
+            with contextlib.suppress(OSError):
+                f.close()
+        if getattr(self, "_created", False):
+            self._created = False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._tmp)
 
     def __enter__(self) -> StreamWriter:
         return self

@@ -254,28 +254,42 @@ def quantize(
     ),
 ) -> None:
     """Convert a checkpoint to FP8 (e4m3 linear weights, a float32 scale per output row),
-    streaming: memory stays at the largest tensor."""
+    streaming: memory stays at the largest tensor. The output appears only when complete;
+    an error, Ctrl-C or SIGTERM (exit status 143) removes what was written."""
+    import signal
+
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
     from nostall.quant import quantize as run
 
-    with Progress(
-        TextColumn("quantizing"),
-        BarColumn(),
-        DownloadColumn(),
-        TimeRemainingColumn(),
-        console=console,
-    ) as bar:
-        task = bar.add_task("quantize", total=None)
-        with _option():
-            report = run(
-                src,
-                dst,
-                skip=tuple(skip or ()),
-                default_skip=default_skip,
-                overwrite=overwrite,
-                progress=lambda done, total: bar.update(task, completed=done, total=total),
+    try:
+        with Progress(
+            TextColumn("quantizing"),
+            BarColumn(),
+            DownloadColumn(),
+            TimeRemainingColumn(),
+            console=console,
+        ) as bar:
+            task = bar.add_task("quantize", total=None)
+            with _option():
+                report = run(
+                    src,
+                    dst,
+                    skip=tuple(skip or ()),
+                    default_skip=default_skip,
+                    overwrite=overwrite,
+                    progress=lambda done, total: bar.update(task, completed=done, total=total),
+                )
+    except SystemExit as e:
+        # run() turns SIGTERM into SystemExit(128 + SIGTERM) once it has removed the
+        # partial output (see nostall.quantize).
+        if e.code == 128 + signal.SIGTERM:
+            console.print(
+                f"[red]terminated[/red] (SIGTERM): {dst} was not written; the partial "
+                "output was removed",
+                highlight=False,
             )
+        raise
     kept = ", ".join(f"{n} {why}" for why, n in report.kept_reasons.most_common())
     console.print(
         f"{report.quantized} tensors → FP8, {report.kept} kept ({kept}); "

@@ -26,6 +26,7 @@ __all__ = [
     "METADATA_KEY",
     "SCALE_SUFFIX",
     "dequantize",
+    "kept_modules",
     "quantize_weight",
     "skip_reason",
 ]
@@ -53,19 +54,42 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def skip_reason(
-    name: str, shape: tuple[int, ...], dtype: torch.dtype | None, patterns: Iterable[str]
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype | None,
+    patterns: Iterable[str],
+    kept: Iterable[str] = (),
 ) -> str | None:
-    """Why ``name`` stays in its dtype (``None``: it is quantized)."""
+    """Why ``name`` stays in its dtype (``None``: it is quantized). ``kept``: the
+    model's ``_keep_in_fp32_modules`` (module names, one dotted part each)."""
     if dtype not in _FLOATS:
         return f"dtype {dtype}"
     if len(shape) != 2 or not name.endswith(".weight"):
         return "not a 2-D .weight"
     if shape[0] % 16 or shape[1] % 16:
         return f"shape {tuple(shape)} is not a multiple of 16"
+    parts = name.split(".")
+    for m in kept:
+        if m in parts:
+            # transformers' rule; T5's feed-forward casts activations to wo.weight.dtype
+            return f"the model keeps it in full precision ({m} in _keep_in_fp32_modules)"
     for p in patterns:
         if re.search(p, name):
             return f"skip list ({p})"
     return None
+
+
+def kept_modules(folder: str) -> tuple[str, ...]:
+    """The ``_keep_in_fp32_modules`` of the model class a component folder's
+    ``config.json`` names (``()`` when there is none or it cannot be imported)."""
+    from nostall.assemble import resolve_model_class
+    from nostall.errors import NostallError
+
+    try:
+        cls = resolve_model_class(folder)
+    except (NostallError, ImportError):
+        return ()
+    return tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
