@@ -17,6 +17,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _digest_index(tmp_path_factory):
+    """Every test's digest index lives in the session's temporary folder, never in the
+    user's cache; tests of the index itself pass their own ``cache_dir``."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("NOSTALL_CACHE_DIR", str(tmp_path_factory.mktemp("nostall-cache")))
+    yield
+    mp.undo()
+
+
 @pytest.fixture
 def tensors() -> dict[str, torch.Tensor]:
     return sample_tensors()

@@ -7,7 +7,8 @@ cases apart by type (never by message text)::
     NostallError
     ├── ArgumentError            a bad argument or option value (also a ``ValueError``)
     ├── CheckpointError          a checkpoint on disk is malformed or missing pieces
-    │   └── ModelMismatchError   the tensors do not fit the module they are loaded into
+    │   ├── ModelMismatchError   the tensors do not fit the module they are loaded into
+    │   └── FileChanged          a file changed on disk while (or since) nostall read it
     ├── ReadError                the operating system refused or failed a read
     ├── PoolExhausted            the pinned host pool cannot hold a request
     ├── BusyError                a pool cannot close: blocks are still held by loads
@@ -35,6 +36,7 @@ __all__ = [
     "CheckpointError",
     "ClosedError",
     "DeviceError",
+    "FileChanged",
     "LatentsError",
     "ModelMismatchError",
     "NostallError",
@@ -102,6 +104,13 @@ class ModelMismatchError(CheckpointError):
         self.unexpected = list(unexpected or [])
         self.mismatched = list(mismatched or [])
         super().__init__(message, path=path)
+
+
+class FileChanged(CheckpointError):
+    """A file was rewritten, replaced or truncated while nostall read it, or since its
+    header was read: its bytes may mix two versions, so none of them is used. Reading
+    it again (a new switch, a new ``load``) reads the new version.
+    """
 
 
 class ReadError(NostallError):

@@ -9,21 +9,107 @@ from nostall.cache import Store
 from nostall.errors import CheckpointError, UnknownModel
 
 
-def test_scans_pipelines_and_identifies_shared_components_by_content(store):
-    s = Store(store)
+def test_scans_pipelines_and_identifies_shared_components_by_content(store, tmp_path):
+    s = Store(store, cache_dir=tmp_path)
     assert s.names() == ["flux", "flux-b", "sd3", "sdxl", "wan"]
     a, b = s.entry("flux"), s.entry("flux-b")
     assert a.class_name == "FluxPipeline"
     roles = {c.role: c for c in a.weights}
     assert set(roles) == {"text_encoder", "text_encoder_2", "transformer", "vae"}
+    # Never read: separate files share nothing, whatever their headers say.
+    assert not any(c.exact for c in a.weights)
+    for role in roles:
+        assert a.components[role].digest != b.components[role].digest
+    for name in ("flux", "flux-b"):
+        s.index_files(name)
+    a, b = s.entry("flux"), s.entry("flux-b")
+    assert all(c.exact for c in a.weights + b.weights)
     for role in ("text_encoder", "text_encoder_2", "vae"):
         assert a.components[role].digest == b.components[role].digest  # one copy in every tier
     ta, tb = a.components["transformer"], b.components["transformer"]
-    assert ta.digest != tb.digest  # headers equal, weights differ: the samples tell
+    assert ta.digest != tb.digest  # headers equal, weights differ
     assert ta.arch == tb.arch  # same architecture: the module can be shared
     assert a.components["tokenizer"].weights is False
     assert a.components["tokenizer"].digest == b.components["tokenizer"].digest
     assert s.entry("sdxl").components["unet"].arch != ta.arch
+    # A new process (a new Store on the same index) knows them without reading.
+    again = Store(store, cache_dir=tmp_path).entry("flux-b")
+    assert [c.digest for c in again.weights] == [c.digest for c in b.weights]
+
+
+def _flip_one_byte(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("change", ["one byte", "one tensor"])
+def test_two_pipelines_that_differ_anywhere_are_two_components(store, tmp_path, change):
+    from safetensors.torch import load_file, save_file
+
+    from nostall.checkpoint import resolve
+
+    root = tmp_path / "s"
+    a, b = _copy(store, tmp_path, "flux"), root / "flux-x"
+    shutil.copytree(a, b)
+    (f,) = resolve(b / "transformer").files
+    if change == "one byte":
+        # Between two of the 16 blocks the old sampled digest read: an edit it missed.
+        _flip_one_byte(f.path, f.data_start + (f.data_end - f.data_start) * 3 // 31 + 7)
+    else:
+        t = load_file(f.path)
+        name = sorted(t)[len(t) // 2]
+        t[name] = t[name].clone()
+        t[name].view(-1)[0] += 1
+        save_file(t, f.path, metadata=f.metadata)
+    s = Store(root, cache_dir=tmp_path / "idx")
+    for name in ("flux", "flux-x"):
+        s.index_files(name)
+    ea, eb = s.entry("flux"), s.entry("flux-x")
+    assert ea.components["transformer"].digest != eb.components["transformer"].digest
+    assert ea.components["transformer"].arch == eb.components["transformer"].arch
+    assert ea.components["vae"].digest == eb.components["vae"].digest
+
+
+def test_a_file_rewritten_in_place_is_a_new_component(store, tmp_path):
+    _copy(store, tmp_path)
+    s = Store(tmp_path / "s", cache_dir=tmp_path / "idx")
+    s.index_files("flux")
+    before = s.entry("flux").components["vae"]
+    assert s.entry("flux") is s.entry("flux")  # unchanged: no scan
+    (f,) = before.checkpoint.files
+    _flip_one_byte(f.path, f.data_end - 1)  # same inode, same size
+    after = s.entry("flux").components["vae"]
+    assert after.digest != before.digest and not after.exact
+    assert after.checkpoint.files[0].identity != f.identity
+
+
+def test_index_entries_outside_the_pipeline_folder_are_refused(store, tmp_path):
+    p = _copy(store, tmp_path)
+    secret = tmp_path / "s" / "keys"
+    secret.mkdir()
+    (secret / "id_rsa").write_text("PRIVATE")
+    index = json.loads((p / "model_index.json").read_text())
+    for bad in ("../keys", str(secret), "a/../../keys"):
+        doc = dict(index, **{bad: ["transformers", "CLIPTokenizer"]})
+        (p / "model_index.json").write_text(json.dumps(doc))
+        with pytest.raises(CheckpointError, match="not a folder name") as info:
+            Store(tmp_path / "s", cache_dir=False).entry("flux")
+        assert bad in str(info.value)
+
+
+def test_dangling_symlinks_are_named(store, tmp_path):
+    p = _copy(store, tmp_path)
+    (p / "tokenizer" / "extra.json").symlink_to(tmp_path / "gone.json")
+    with pytest.raises(CheckpointError, match="does not exist") as info:
+        Store(tmp_path / "s", cache_dir=False).entry("flux")
+    assert "extra.json" in str(info.value)
+    (p / "tokenizer" / "extra.json").unlink()
+    (p / "vae" / "weights.safetensors").symlink_to(tmp_path / "blob")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        Store(tmp_path / "s", cache_dir=False).entry("flux")
 
 
 def test_a_mapping_of_names_works_too(store):

@@ -394,3 +394,22 @@ def test_quantize_check_prints_sqnr_per_component(tmp_path):
     assert result.exit_code == 0, result.output
     assert "SQNR" in result.output and "text_encoder_2" in result.output
     assert "random token ids" in result.output and "per layer only" in result.output
+
+
+def test_index_hashes_a_store_once_and_says_what_is_shared(tmp_path):
+    from nostall.bench.stores import write_store
+    from nostall.cache import Store
+
+    write_store(tmp_path / "s", ("flux", "flux-b"))
+    args = ["index", str(tmp_path / "s"), "--cache-dir", str(tmp_path / "idx")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "hashed" in result.output and "one copy: flux/text_encoder, flux-b/text_encoder" in (
+        result.output.replace("\n", " ")
+    )
+    s = Store(tmp_path / "s", cache_dir=tmp_path / "idx")
+    assert all(c.exact for n in ("flux", "flux-b") for c in s.entry(n).weights)
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0 and "hashed 0.00 GB" in again.output  # nothing new
+    bad = runner.invoke(app, [*args, "--name", "flx"])
+    assert bad.exit_code != 0 and "did you mean 'flux'" in bad.output + str(bad.exception)

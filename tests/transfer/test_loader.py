@@ -369,3 +369,59 @@ def test_tensors_back_to_back_on_both_sides_are_one_copy(tmp_path):
     moves.land(0, 0, f.data_end, raw[: f.data_end])
     moves.finish()
     assert_same(plan.views(flat), tensors)
+
+
+# ---- content digests and files that change -------------------------------------------
+
+
+@pytest.mark.parametrize("route", ["pool", "host"])
+def test_reads_hash_every_byte_as_they_land(loader, pool, big_file, route):
+    from nostall.checkpoint import resolve
+    from nostall.checkpoint.digest import hash_file_data
+
+    (f,) = resolve(big_file).files
+    want = hash_file_data(str(big_file), f.data_start, f.data_end)
+    kw = {"pool": pool} if route == "pool" else {}
+    r = loader.start(big_file, digest=True, **kw)
+    assert r.digests == [want]
+    assert_same(r.wait().tensors, load_file(str(big_file)))
+    if route == "pool":  # a memory-cache hit reads (and hashes) nothing
+        assert loader.start(big_file, pool=pool, digest=True).digests is None
+    assert loader.start(big_file).digests is None  # only when asked
+
+
+def test_a_file_replaced_after_its_header_was_read_is_never_read(loader, pool, big_file):
+    from nostall.checkpoint import resolve
+    from nostall.errors import FileChanged
+
+    ckpt = resolve(big_file)
+    t = load_file(str(big_file))
+    t["big"] = t["big"] + 1
+    save_file(t, str(big_file) + ".new")
+    os.replace(str(big_file) + ".new", big_file)  # same name, new file
+    with pytest.raises(FileChanged, match="since its header was read") as info:
+        loader.load(ckpt, pool=pool)
+    assert info.value.path == str(big_file)
+    assert pool.stats().blocks == 0 and pool.cached_keys() == []
+
+
+def test_a_file_rewritten_while_it_is_read_is_an_error_not_mixed_bytes(
+    loader, pool, big_file, monkeypatch
+):
+    from nostall.checkpoint.digest import DataHasher
+    from nostall.errors import FileChanged
+
+    real = DataHasher.feed
+    done = []
+
+    def feed_and_rewrite(self, offset, data):
+        real(self, offset, data)
+        if not done:  # a writer appends to the file in the middle of the load
+            done.append(1)
+            with open(big_file, "ab") as f:
+                f.write(b"\0" * 4096)
+
+    monkeypatch.setattr(DataHasher, "feed", feed_and_rewrite)
+    with pytest.raises(FileChanged, match="while it was read"):
+        loader.start(big_file, pool=pool, digest=True)
+    assert pool.stats().blocks == 0 and pool.cached_keys() == []  # nothing half-read kept

@@ -111,6 +111,9 @@ class ModelCache:
             next switch or a prefetch finds room), or as far as idle components allow.
         wait_s: how long a switch waits for room held by pipelines in use in other
             threads before :class:`~nostall.BudgetExceeded`.
+        cache_dir: where the digest index lives (see :class:`~nostall.cache.Store`;
+            ``False`` keeps digests in memory). Components are identified by a digest of
+            every byte, computed as they are first read and remembered there.
 
     >>> cache = nostall.ModelCache("/models", device="cuda", gpu_budget=36 << 30)  # doctest: +SKIP
     >>> with cache.use("flux-dev") as pipe:  # doctest: +SKIP
@@ -130,6 +133,7 @@ class ModelCache:
         watermark: float = 0.95,
         wait_s: float = 300.0,
         loader: Loader | None = None,
+        cache_dir: str | os.PathLike | bool | None = None,
     ):
         self.device = resolve_device(device)
         if not 0.0 < watermark <= 1.0:
@@ -139,7 +143,7 @@ class ModelCache:
                 isinstance(value, bool) or not isinstance(value, int) or value <= 0
             ):
                 raise ArgumentError(f"{name}={value!r} must be a positive number of bytes")
-        self.store = Store(models, variant=variant)
+        self.store = Store(models, variant=variant, cache_dir=cache_dir)
         self.dtype = dtype
         self.watermark = watermark
         self.wait_s = wait_s
@@ -383,6 +387,10 @@ class ModelCache:
                     mv.slot.ready = True
                     if mv.cached:
                         self._host.admitted(mv.c.digest, mv.slot.size)
+            for mv in moves:
+                if mv.pending.digests is not None:
+                    self._learn(mv.c, mv.pending.digests)
+            with self._lock:
                 pipe = (
                     None
                     if mode == "prefetch"
@@ -408,6 +416,7 @@ class ModelCache:
                     read_s=mv.pending.wait().stats.read_s if mv.pending else 0.0,
                     copy_s=mv.pending.wait().stats.h2d_s if mv.pending else 0.0,
                     build_s=mv.build_s,
+                    hashed=mv.pending.digests is not None if mv.pending else False,
                 )
                 for mv in moves
             }
@@ -642,6 +651,9 @@ class ModelCache:
                 # Back at the offset its module views: no new views needed.
                 "views": mv.inst.offset != mv.slot.offset,
             }
+            # A component whose content digest is unknown is hashed by the reads that
+            # load it (reader threads, as the bytes land): no pass of its own.
+            kwargs["digest"] = mv.tier == "disk" and not mv.c.exact
             try:
                 pool = self._host.pool if mv.cached else None
                 mv.pending = self._loader.start(mv.c.checkpoint, pool=pool, **kwargs)
@@ -654,6 +666,26 @@ class ModelCache:
         for mv in order:
             mv.pending.wait(join=not prefetch)
             mv.slot.done = mv.pending.done
+
+    def _learn(self, c: ComponentEntry, digests: list[str]) -> None:
+        """The reads that loaded ``c`` hashed it: record its files' digests. If the same
+        bytes were already served under another key, this copy is a duplicate nothing
+        will ask for again: it leaves the host tier now and the device tier first."""
+        key = self.store.learn(c, digests)
+        if key == c.digest:
+            return
+        with self._lock:
+            if self._host.has(c.digest):
+                self._host.pool.evict(c.digest)
+                self._host.sizes.pop(c.digest, None)
+            slot = self._tier.slots.get(c.digest)
+            if slot is not None:
+                slot.last_used = 0
+        log.info(
+            "%s: its bytes equal %s's; later switches share that copy",
+            self._describe(c.digest),
+            key[:12],
+        )
 
     def _release(self, digests: set[str], pipe: Any = None) -> None:
         with self._lock:

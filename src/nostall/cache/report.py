@@ -28,7 +28,8 @@ class ComponentSwitch:
     Attributes:
         role: its name in the pipeline (``"transformer"``).
         class_name: the module's class.
-        digest: the first 12 hex digits of its content digest.
+        digest: the first 12 hex digits of its key (its content digest, or until that is
+            known a digest of its files' identities: :mod:`nostall.cache.store`).
         nbytes: its weights' bytes on the device.
         tier: where it came from: ``"gpu"`` (already there; ``"device"`` on a CPU cache),
             ``"host"`` (the pinned host tier), ``"disk"`` (read; the OS page cache may
@@ -40,6 +41,8 @@ class ComponentSwitch:
         copy_s: host → device on the copy stream (first to last copy).
         build_s: building the module (first time only) and pointing its parameters
             at the new memory.
+        hashed: for ``"disk"``, whether the reads also hashed every byte (the first
+            read of files the digest index did not know).
     """
 
     role: str
@@ -52,6 +55,7 @@ class ComponentSwitch:
     read_s: float = 0.0
     copy_s: float = 0.0
     build_s: float = 0.0
+    hashed: bool = False
 
     @property
     def moved(self) -> int:
@@ -115,6 +119,8 @@ class SwitchReport:
                 note.append("in place")
             if c.tier == "disk":
                 note.append("kept in host tier" if c.cached else "not admitted to host tier")
+                if c.hashed:
+                    note.append("hashed")
             table.add_row(
                 c.role,
                 c.class_name,

@@ -4,15 +4,28 @@ A store is a folder of pipeline folders (each with ``model_index.json`` and one
 folder per component), addressed by folder name, or a mapping ``name → folder``.
 Nothing is converted or copied: the standard layout is read where it lies.
 
-Every component gets a **digest** that identifies its content, so pipelines that
-ship the same T5, CLIP or VAE share one copy in every tier of the cache:
+**Identified by content.** Every component carries a key (``digest``) that every tier
+of the cache files it under. Two components share a key, and so one copy, only when
+every byte that makes them up is equal:
 
 * weights: the class, the config (minus the fields that name where it was saved),
-  every safetensors header (names, dtypes, shapes, offsets, metadata) and file size,
-  and 16 sampled 4 KiB blocks of each file's data. Headers alone cannot tell two
-  fine-tunes of one architecture apart; the samples do, at the cost of 16 small
-  reads per file.
-* tokenizers, schedulers and other files: every file's bytes (they are small).
+  every safetensors header (tensor names, dtypes, shapes, offsets, metadata), and a
+  digest of **every data byte** of every file (xxh3-128,
+  :mod:`nostall.checkpoint.digest`). A file's data digest is computed by the reader
+  threads the first time nostall reads the file (never as a pass of its own), and kept
+  in the digest index (:mod:`nostall.cache.digests`) under the file's identity, so a
+  new process knows it without reading. Until all of a component's file digests are
+  known, its key is made of its files' identities (device, inode, size, times): it
+  shares nothing, except with itself reached through another path (a symlink, as in a
+  Hugging Face cache). Once learned, the content decides: a later component with the
+  same content is given the key this process first served that content under.
+* tokenizers, schedulers and other files: every file's bytes (they are small), read
+  at scan time.
+
+**Never stale.** :meth:`Store.entry` re-stats every file and folder a pipeline was
+scanned from (microseconds) and scans it again when one changed, so a file rewritten
+in place under a running worker is served new, under a new key. A file that changes
+while it is read is the loader's :class:`~nostall.FileChanged`.
 
 Components of one **architecture** (same class, config and tensor layout) can share
 one module: switching between two FLUX fine-tunes copies weights into the resident
@@ -21,26 +34,29 @@ module instead of building another.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from nostall.cache.digests import DigestIndex
 from nostall.checkpoint import Checkpoint, resolve
+from nostall.checkpoint.digest import FileIdentity, hash_file_data
 from nostall.checkpoint.files import open_regular, parse_json
-from nostall.errors import CheckpointError, ReadError, UnknownModel
+from nostall.errors import CheckpointError, FileChanged, ReadError, UnknownModel
 
 __all__ = ["ComponentEntry", "PipelineEntry", "Store"]
 
 INDEX = "model_index.json"
 # Config fields that say where or with what a component was saved, not what it is.
 _VOLATILE = {"_name_or_path", "_diffusers_version", "transformers_version", "_commit_hash"}
-_SAMPLES = 16
-_SAMPLE_BYTES = 4096
-_MAX_FILE_DIGEST = 256 << 20  # files components bigger than this are hashed by size + samples
+
+Stamp = tuple[str, FileIdentity]  # a path and its identity when it was scanned
 
 
 @dataclass(frozen=True)
@@ -53,10 +69,13 @@ class ComponentEntry:
         folder: its folder.
         weights: whether it is a module with safetensors weights (else files:
             a tokenizer, scheduler, image processor).
-        digest: content identity (shared components have equal digests).
+        digest: the key every tier of the cache files it under: equal keys, equal bytes
+            (see the module doc).
         arch: for weights, the identity of the architecture (class, config, layout).
         checkpoint: for weights, the validated safetensors files.
         nbytes: tensor bytes on disk (0 for files).
+        content: the content digest once every byte's digest is known (``None`` until
+            the first read of a weights component whose files the index did not know).
     """
 
     role: str
@@ -68,6 +87,14 @@ class ComponentEntry:
     arch: str | None = None
     checkpoint: Checkpoint | None = field(default=None, repr=False, compare=False)
     nbytes: int = 0
+    content: str | None = None
+    stamps: tuple[Stamp, ...] = field(default=(), repr=False, compare=False)
+    config_key: bytes = field(default=b"", repr=False, compare=False)  # canonical config
+
+    @property
+    def exact(self) -> bool:
+        """Whether its content digest is known (else a read will learn it)."""
+        return self.content is not None
 
 
 @dataclass(frozen=True)
@@ -81,6 +108,7 @@ class PipelineEntry:
     class_name: str
     components: dict[str, ComponentEntry | None]
     config: dict[str, Any] = field(repr=False, compare=False)
+    stamps: tuple[Stamp, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def weights(self) -> list[ComponentEntry]:
@@ -92,7 +120,13 @@ class PipelineEntry:
 
 
 class Store:
-    """Pipeline folders by name; entries are read (and digested) on first use.
+    """Pipeline folders by name; entries are scanned on first use and re-checked on each.
+
+    Args:
+        models: a folder of pipeline folders, or a mapping ``name → pipeline folder``.
+        variant: weights variant (``"fp16"``) in every component folder.
+        cache_dir: where the digest index lives (default: ``$NOSTALL_CACHE_DIR``,
+            ``$XDG_CACHE_HOME/nostall`` or ``~/.cache/nostall``; ``False``: in memory).
 
     >>> store = Store("/models")  # doctest: +SKIP
     >>> store.names()  # doctest: +SKIP
@@ -106,6 +140,7 @@ class Store:
         models: str | os.PathLike | Mapping[str, str | os.PathLike],
         *,
         variant: str | None = None,
+        cache_dir: str | os.PathLike | bool | None = None,
     ):
         self.variant = variant
         if isinstance(models, Mapping):
@@ -134,16 +169,18 @@ class Store:
                 for n in names
                 if os.path.isfile(os.path.join(root, n, INDEX))
             }
+        self.index = DigestIndex(cache_dir)
         self._entries: dict[str, PipelineEntry] = {}
+        # content digest -> the key this process first served that content under
+        self._canon: dict[str, str] = {}
+        self._lock = threading.RLock()
 
     def names(self) -> list[str]:
         return sorted(self._folders)
 
     def entry(self, name: str) -> PipelineEntry:
-        """The pipeline called ``name``; :class:`~nostall.UnknownModel` lists the others."""
-        cached = self._entries.get(name)
-        if cached is not None:
-            return cached
+        """The pipeline called ``name``, as its files are now; :class:`~nostall.UnknownModel`
+        lists the others."""
         folder = self._folders.get(name)
         if folder is None:
             names = self.names()
@@ -156,8 +193,269 @@ class Store:
                 available=names,
                 close=close,
             )
-        entry = self._entries[name] = _scan(name, folder, self.variant)
-        return entry
+        with self._lock:
+            cached = self._entries.get(name)
+            if cached is not None and _unchanged(cached):
+                return cached
+            entry = self._entries[name] = self._scan(name, folder)
+            return entry
+
+    def learn(self, c: ComponentEntry, digests: list[str]) -> str:
+        """Record the data digests of ``c``'s files (in its checkpoint's file order), read
+        and hashed by the switch that just loaded it; return the key that content is
+        served under from now on (``c.digest``, or an earlier copy's key when the same
+        bytes were already known under another)."""
+        ckpt = c.checkpoint
+        if ckpt is None or len(digests) != len(ckpt.files):
+            raise ValueError(f"{len(digests)} digests for component {c.role!r}")
+        for f, d in zip(ckpt.files, digests, strict=True):
+            if f.identity is not None:
+                self.index.put(f.identity, f.path, d)
+        content = _content_digest(c.library, c.class_name, c.config_key, ckpt, digests)
+        with self._lock:
+            key = self._canon.setdefault(content, c.digest)
+            for name, e in list(self._entries.items()):
+                roles = [
+                    r for r, x in e.components.items() if x is not None and x.digest == c.digest
+                ]
+                if not roles:
+                    continue
+                if key != c.digest:
+                    # Another copy of these bytes is served already: pipelines holding this
+                    # one are scanned again (and find that key) on their next entry().
+                    del self._entries[name]
+                    continue
+                comps = dict(e.components)
+                for r in roles:
+                    comps[r] = dataclasses.replace(comps[r], content=content)
+                self._entries[name] = dataclasses.replace(e, components=comps)
+        return key
+
+    def index_files(self, name: str, *, threads: int = 8) -> int:
+        """Hash ``name``'s weight files that the digest index does not know yet, now, in
+        ``threads`` threads (a pass of its own: for preparing a store ahead of its first
+        switch, e.g. right after downloading it); returns the bytes hashed."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        todo = []
+        for c in self.entry(name).weights:
+            for f in c.checkpoint.files:
+                if f.identity is not None and self.index.get(f.identity) is None:
+                    todo.append(f)
+
+        def one(f) -> int:
+            digest = hash_file_data(f.path, f.data_start, f.data_end)
+            if FileIdentity.stat(f.path) != f.identity:
+                raise FileChanged("the file changed while it was hashed", path=f.path)
+            self.index.put(f.identity, f.path, digest)
+            return f.data_bytes
+
+        with ThreadPoolExecutor(threads) as pool:
+            done = sum(pool.map(one, todo))
+        with self._lock:
+            self._entries.pop(name, None)  # scanned again: now with content keys
+        return done
+
+    # ---- scanning ----------------------------------------------------------------------
+
+    def _scan(self, name: str, folder: str) -> PipelineEntry:
+        try:
+            return self._scan_unlocked(name, folder)
+        except FileNotFoundError as e:
+            raise FileChanged(
+                f"a file or folder of pipeline {name!r} vanished while it was scanned "
+                f"({e.filename}); scan it again once the store is complete",
+                path=folder,
+            ) from e
+
+    def _scan_unlocked(self, name: str, folder: str) -> PipelineEntry:
+        index_path = os.path.join(folder, INDEX)
+        stamps = [_stamp(folder), _stamp(index_path)]
+        index = _read_json(index_path, "pipeline index")
+        class_name = index.get("_class_name")
+        if not isinstance(class_name, str):
+            raise CheckpointError(
+                'model_index.json has no "_class_name" naming the pipeline class',
+                path=index_path,
+            )
+        components: dict[str, ComponentEntry | None] = {}
+        config: dict[str, Any] = {}
+        for key, value in index.items():
+            if key.startswith("_"):
+                continue
+            if (
+                isinstance(value, list)
+                and len(value) == 2
+                and all(v is None or isinstance(v, str) for v in value)
+            ):
+                library, cls = value
+                if library is None or cls is None:
+                    components[key] = None
+                    continue
+                _check_role(key, index_path)
+                components[key] = self._component(
+                    key, library, cls, os.path.join(folder, key), index_path
+                )
+            else:
+                config[key] = value
+        return PipelineEntry(name, folder, class_name, components, config, tuple(stamps))
+
+    def _component(
+        self, role: str, library: str, cls: str, folder: str, index_path: str
+    ) -> ComponentEntry:
+        if not os.path.isdir(folder):
+            raise CheckpointError(
+                f"model_index.json names component {role!r} ({library}.{cls}) but its folder is "
+                "missing; the download is incomplete",
+                path=folder,
+            )
+        listing = _listdir(folder)
+        _check_links(folder, listing)
+        if _is_module(library, cls):
+            return self._weights(role, library, cls, folder, listing)
+        stamps = [_stamp(folder)]
+        digest = hashlib.sha256(f"files|{library}.{cls}\n".encode())
+        for rel in sorted(_walk(folder)):
+            path = os.path.join(folder, rel)
+            stamps.append(_stamp(path))
+            digest.update(f"{rel}|{stamps[-1][1].size}\n".encode())
+            try:
+                with open_regular(path, what=f"{role} file") as f:
+                    for block in iter(lambda f=f: f.read(16 << 20), b""):
+                        digest.update(block)
+            except OSError as e:
+                raise ReadError(f"cannot read the {role} file: {e.strerror or e}", path=path) from e
+        content = digest.hexdigest()[:32]
+        with self._lock:
+            key = self._canon.setdefault(content, content)
+        return ComponentEntry(
+            role, library, cls, folder, False, key, content=content, stamps=tuple(stamps)
+        )
+
+    def _weights(
+        self, role: str, library: str, cls: str, folder: str, listing: list[str]
+    ) -> ComponentEntry:
+        config_path = os.path.join(folder, "config.json")
+        stamps = [_stamp(folder), _stamp(config_path)]
+        config = _read_json(config_path, f"{role} config")
+        try:
+            ckpt = resolve(folder, variant=self.variant)
+        except CheckpointError as e:
+            if any(n.endswith((".bin", ".pt", ".ckpt")) for n in listing):
+                raise CheckpointError(
+                    f"component {role!r} has no safetensors weights (only pickled .bin/.ckpt "
+                    "files); nostall reads safetensors only: convert them with "
+                    "save_pretrained(safe_serialization=True)",
+                    path=folder,
+                ) from e
+            raise
+        if ckpt.source.endswith(".json"):
+            stamps.append(_stamp(ckpt.source))
+        for f in ckpt.files:
+            stamps.append((f.path, f.identity or FileIdentity.stat(f.path)))
+        layout = hashlib.sha256()
+        layout.update(f"{library}.{cls}\n".encode())
+        layout.update(_canonical(config))
+        for f in ckpt.files:
+            for e in f.tensors:
+                layout.update(f"{e.name}|{e.dtype}|{list(e.shape)}\n".encode())
+        config_key = _canonical(config)
+        known = [self.index.get(f.identity) if f.identity else None for f in ckpt.files]
+        if all(known):
+            content = _content_digest(library, cls, config_key, ckpt, known)
+            with self._lock:
+                key = self._canon.setdefault(content, content)
+        else:
+            # Not known yet: the files' identities (a symlinked copy is the same file).
+            content = None
+            ident = hashlib.sha256(f"files|{library}.{cls}\n".encode())
+            ident.update(config_key)
+            for f in ckpt.files:
+                i = f.identity or FileIdentity.stat(f.path)
+                ident.update(f"{i.key()}\n".encode())
+            key = "f" + ident.hexdigest()[:31]
+        return ComponentEntry(
+            role,
+            library,
+            cls,
+            folder,
+            True,
+            key,
+            layout.hexdigest()[:32],
+            ckpt,
+            ckpt.nbytes,
+            content=content,
+            stamps=tuple(stamps),
+            config_key=config_key,
+        )
+
+
+def _content_digest(library: str, cls: str, config_key: bytes, ckpt: Checkpoint, digests) -> str:
+    h = hashlib.sha256(f"weights|{library}.{cls}\n".encode())
+    h.update(config_key)
+    for f, d in zip(ckpt.files, digests, strict=True):
+        h.update(
+            f"{f.file_size}|{f.data_start}|{json.dumps(f.metadata, sort_keys=True)}\n".encode()
+        )
+        for e in f.tensors:
+            h.update(f"{e.name}|{e.dtype}|{list(e.shape)}|{e.begin}:{e.end}\n".encode())
+        h.update(f"data|{d}\n".encode())
+    return h.hexdigest()[:32]
+
+
+def _unchanged(entry: PipelineEntry) -> bool:
+    stamps = list(entry.stamps)
+    for c in entry.components.values():
+        if c is not None:
+            stamps.extend(c.stamps)
+    for path, identity in stamps:
+        try:
+            if FileIdentity.stat(path) != identity:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def _stamp(path: str) -> Stamp:
+    try:
+        return path, FileIdentity.stat(path)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise ReadError(f"cannot stat: {e.strerror or e}", path=path) from e
+
+
+def _check_role(role: str, index_path: str) -> None:
+    """A component name is a folder beside ``model_index.json``: one plain name."""
+    bad = (
+        not role
+        or role in (".", "..")
+        or "/" in role
+        or "\\" in role
+        or "\0" in role
+        or os.path.isabs(role)
+        or os.sep in role
+    )
+    if bad:
+        raise CheckpointError(
+            f"model_index.json names a component {role!r}, which is not a folder name "
+            "beside it (a path leaving the pipeline folder?); nostall reads only the "
+            "pipeline's own component folders. Fix or re-download the index",
+            path=index_path,
+        )
+
+
+def _check_links(folder: str, listing: list[str]) -> None:
+    for name in listing:
+        path = os.path.join(folder, name)
+        if os.path.islink(path) and not os.path.exists(path):
+            raise CheckpointError(
+                f"{name!r} is a symbolic link to {os.readlink(path)!r}, which does not exist "
+                "(an interrupted download, or a cache whose blobs were deleted); download the "
+                "component again",
+                path=path,
+            )
 
 
 def _read_json(path: str, what: str) -> dict[str, Any]:
@@ -174,97 +472,6 @@ def _read_json(path: str, what: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise CheckpointError(f"the {what} must be a JSON object", path=path)
     return doc
-
-
-def _scan(name: str, folder: str, variant: str | None) -> PipelineEntry:
-    index_path = os.path.join(folder, INDEX)
-    index = _read_json(index_path, "pipeline index")
-    class_name = index.get("_class_name")
-    if not isinstance(class_name, str):
-        raise CheckpointError(
-            'model_index.json has no "_class_name" naming the pipeline class', path=index_path
-        )
-    components: dict[str, ComponentEntry | None] = {}
-    config: dict[str, Any] = {}
-    for key, value in index.items():
-        if key.startswith("_"):
-            continue
-        if (
-            isinstance(value, list)
-            and len(value) == 2
-            and all(v is None or isinstance(v, str) for v in value)
-        ):
-            library, cls = value
-            if library is None or cls is None:
-                components[key] = None
-                continue
-            components[key] = _component(
-                key, library, cls, os.path.join(folder, key), variant, index_path
-            )
-        else:
-            config[key] = value
-    return PipelineEntry(name, folder, class_name, components, config)
-
-
-def _component(
-    role: str, library: str, cls: str, folder: str, variant: str | None, index_path: str
-) -> ComponentEntry:
-    if not os.path.isdir(folder):
-        raise CheckpointError(
-            f"model_index.json names component {role!r} ({library}.{cls}) but its folder is "
-            "missing; the download is incomplete",
-            path=folder,
-        )
-    if _is_module(library, cls):
-        config_path = os.path.join(folder, "config.json")
-        config = _read_json(config_path, f"{role} config")
-        try:
-            ckpt = resolve(folder, variant=variant)
-        except CheckpointError as e:
-            if any(n.endswith((".bin", ".pt", ".ckpt")) for n in _listdir(folder)):
-                raise CheckpointError(
-                    f"component {role!r} has no safetensors weights (only pickled .bin/.ckpt "
-                    "files); nostall reads safetensors only: convert them with "
-                    "save_pretrained(safe_serialization=True)",
-                    path=folder,
-                ) from e
-            raise
-        layout = hashlib.sha256()
-        layout.update(f"{library}.{cls}\n".encode())
-        layout.update(_canonical(config))
-        for f in ckpt.files:
-            for e in f.tensors:
-                layout.update(f"{e.name}|{e.dtype}|{list(e.shape)}\n".encode())
-        content = layout.copy()
-        for f in ckpt.files:
-            content.update(
-                f"{f.file_size}|{f.data_start}|{json.dumps(f.metadata, sort_keys=True)}\n".encode()
-            )
-            for e in f.tensors:
-                content.update(f"{e.name}@{e.begin}:{e.end}\n".encode())
-            content.update(_samples(f.path, f.data_start, f.data_end))
-        return ComponentEntry(
-            role,
-            library,
-            cls,
-            folder,
-            True,
-            content.hexdigest()[:32],
-            layout.hexdigest()[:32],
-            ckpt,
-            ckpt.nbytes,
-        )
-    digest = hashlib.sha256(f"{library}.{cls}\n".encode())
-    for rel in sorted(_walk(folder)):
-        path = os.path.join(folder, rel)
-        size = os.path.getsize(path)
-        digest.update(f"{rel}|{size}\n".encode())
-        if size <= _MAX_FILE_DIGEST:
-            with open_regular(path, what=f"{role} file") as f:
-                digest.update(f.read())
-        else:
-            digest.update(_samples(path, 0, size))
-    return ComponentEntry(role, library, cls, folder, False, digest.hexdigest()[:32])
 
 
 def _is_module(library: str, cls: str) -> bool:
@@ -287,27 +494,6 @@ def _canonical(config: dict[str, Any]) -> bytes:
     ).encode()
 
 
-def _samples(path: str, start: int, end: int) -> bytes:
-    """``_SAMPLES`` blocks spread evenly over ``[start, end)`` of the file."""
-    span = end - start
-    if span <= 0:
-        return b""
-    out = []
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise ReadError(f"cannot open for digesting: {e.strerror or e}", path=path) from e
-    try:
-        for k in range(_SAMPLES):
-            off = start + (span - min(span, _SAMPLE_BYTES)) * k // max(1, _SAMPLES - 1)
-            out.append(os.pread(fd, min(_SAMPLE_BYTES, span), off))
-    except OSError as e:
-        raise ReadError(f"cannot read for digesting: {e.strerror or e}", path=path) from e
-    finally:
-        os.close(fd)
-    return b"".join(out)
-
-
 def _listdir(folder: str) -> list[str]:
     try:
         return os.listdir(folder)
@@ -317,7 +503,10 @@ def _listdir(folder: str) -> list[str]:
 
 def _walk(folder: str) -> list[str]:
     out = []
-    for root, _dirs, files in os.walk(folder):
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            _check_links(root, [name])
+        _check_links(root, files)
         for name in files:
             out.append(os.path.relpath(os.path.join(root, name), folder))
     return out

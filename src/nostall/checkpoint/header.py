@@ -10,11 +10,13 @@ fast with the file and tensor named, instead of crashing a copy later.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import reprlib
 import struct
 from dataclasses import dataclass, field
 
+from nostall.checkpoint.digest import FileIdentity
 from nostall.checkpoint.dtypes import BITS, nbytes_of
 from nostall.checkpoint.files import open_regular, parse_json
 from nostall.errors import CheckpointError, ReadError
@@ -72,6 +74,9 @@ class FileIndex:
         data_end: file offset one past the last tensor byte (``<= file_size``).
         tensors: entries in file order (ascending ``begin``).
         metadata: the ``__metadata__`` map, empty when absent.
+        identity: the file's identity when its header was read (``fstat`` of the same
+            descriptor); a load compares it before and after reading the data, so a
+            file replaced or rewritten meanwhile is an error, never mixed bytes.
     """
 
     path: str
@@ -80,6 +85,7 @@ class FileIndex:
     data_end: int
     tensors: tuple[TensorEntry, ...]
     metadata: dict[str, str] = field(default_factory=dict)
+    identity: FileIdentity | None = field(default=None, compare=False)
 
     def __len__(self) -> int:
         return len(self.tensors)
@@ -102,7 +108,8 @@ def read_header(path: str | os.PathLike) -> FileIndex:
     path = os.fspath(path)
     try:
         with open_regular(path, what="safetensors file") as f:
-            size = os.fstat(f.fileno()).st_size
+            st = os.fstat(f.fileno())
+            size = st.st_size
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise CheckpointError(
@@ -122,7 +129,9 @@ def read_header(path: str | os.PathLike) -> FileIndex:
         raise ReadError(f"cannot read the header: {e.strerror or e}", path=path) from e
     if len(raw) != n:
         raise CheckpointError(f"header is cut short: read {len(raw)} of {n} bytes", path=path)
-    return parse_header(raw, file_size=size, path=path)
+    return dataclasses.replace(
+        parse_header(raw, file_size=size, path=path), identity=FileIdentity.of(st)
+    )
 
 
 def parse_header(raw: bytes, *, file_size: int, path: str = "<bytes>") -> FileIndex:

@@ -1017,9 +1017,10 @@ def _print_targets(targets: dict) -> None:
 
 
 # Commands that live in their own modules (one job per module), registered here.
-from nostall.cli.switch import bench_switch, switch  # noqa: E402
+from nostall.cli.switch import bench_switch, index, switch  # noqa: E402
 
 app.command()(switch)
+app.command()(index)
 bench_app.command("switch")(bench_switch)
 
 

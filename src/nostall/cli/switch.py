@@ -1,5 +1,6 @@
-"""``nostall switch`` and ``nostall bench switch``: thin layers over ``ModelCache`` and the
-switch benchmark (registered on the app by :mod:`nostall.cli.main`)."""
+"""``nostall switch``, ``nostall index`` and ``nostall bench switch``: thin layers over
+``ModelCache``, ``Store`` and the switch benchmark (registered on the app by
+:mod:`nostall.cli.main`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,57 @@ def _gb(value: float | None, hint: str) -> int | None:
     if value <= 0:
         raise typer.BadParameter(f"must be a positive number of GB, got {value}", param_hint=hint)
     return int(value * 1e9)
+
+
+def index(
+    models: str = typer.Argument(..., help="A folder of diffusers pipeline folders."),
+    name: list[str] = typer.Option(  # noqa: B008
+        None, "--name", help="Pipelines to hash (repeatable; default: all)."
+    ),
+    cache_dir: str = typer.Option(
+        None, help="Digest index folder (default: $NOSTALL_CACHE_DIR or ~/.cache/nostall)."
+    ),
+    threads: int = typer.Option(8, help="Files hashed at once."),
+) -> None:
+    """Hash a store's weight files now, into the digest index, so that its components are
+    identified by content (and shared) from their first switch on. Files the index knows
+    are skipped; a switch would otherwise hash each file the first time it reads it."""
+    import time
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from nostall.cache import Store
+    from nostall.cli.main import _option, console
+
+    if threads < 1:
+        raise typer.BadParameter(f"must be at least 1, got {threads}", param_hint="--threads")
+    with _option():
+        store = Store(models, cache_dir=cache_dir)
+        names = list(name) if name else store.names()
+        for n in names:
+            store.entry(n)  # unknown names fail here, before any hashing
+        t0, total = time.perf_counter(), 0
+        with Progress(
+            TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console
+        ) as bar:
+            task = bar.add_task("hashing", total=len(names))
+            for n in names:
+                bar.update(task, description=f"hashing {n}")
+                total += store.index_files(n, threads=threads)
+                bar.advance(task)
+        seconds = time.perf_counter() - t0
+        shared: dict[str, list[str]] = {}
+        for n in names:
+            for c in store.entry(n).weights:
+                shared.setdefault(c.digest, []).append(f"{n}/{c.role}")
+    console.print(
+        f"hashed {total / 1e9:.2f} GB in {seconds:.1f} s"
+        + (f" ({total / seconds / 1e9:.2f} GB/s)" if total and seconds > 0 else "")
+        + f"; index: {store.index.path or 'memory only'}"
+    )
+    for roles in shared.values():
+        if len(roles) > 1:
+            console.print(f"one copy: {', '.join(roles)}", highlight=False)
 
 
 def switch(
@@ -79,7 +131,8 @@ def bench_switch(
     size: str = typer.Option(
         "full",
         help="full (FLUX.1-dev 34 GB + SDXL 6.9 GB layouts, and a second FLUX transformer), "
-        "full-lean (no second FLUX: fits a 128 GiB host) or tiny.",
+        "full-lean (no second FLUX: fits a 128 GiB host), full-flux (FLUX alone, and its FP8 "
+        "copy for the memory-hit part) or tiny.",
     ),
     folder: str = typer.Option(
         "/tmp/nostall-bench/store", help="Where the random store is written."
@@ -94,7 +147,8 @@ def bench_switch(
     part: list[str] = typer.Option(  # noqa: B008
         None,
         "--part",
-        help="Parts to run (repeatable): nostall, new-process, cold, same-arch, prefetch, peers.",
+        help="Parts to run (repeatable): nostall, new-process, cold, same-arch, prefetch, "
+        "peers, identity, memory-hit, diffusers.",
     ),
 ) -> None:
     """Whole-pipeline switches: nostall's model cache against diffusers and the others.
@@ -110,8 +164,10 @@ def bench_switch(
         raise typer.BadParameter(
             f"unknown parts {bad}; choose from {list(PARTS)}", param_hint="--part"
         )
-    if size not in ("full", "full-lean", "tiny"):
-        raise typer.BadParameter(f"{size!r}; choose full, full-lean or tiny", param_hint="--size")
+    if size not in ("full", "full-lean", "full-flux", "tiny"):
+        raise typer.BadParameter(
+            f"{size!r}; choose full, full-lean, full-flux or tiny", param_hint="--size"
+        )
     with _option("--out"):
         check_new_output(out, overwrite=overwrite)
     report = run_switch_bench(
@@ -122,6 +178,9 @@ def bench_switch(
         log=lambda s: console.print(s, highlight=False),
         save=lambda r: write_report(r, out, overwrite=True),
     )
+    figures = _figures(report)
+    if figures.row_count:
+        console.print(figures)
     table = Table(
         title=f"switch bench ({size}) on {report['hardware'].get('gpu', device)}",
         title_justify="left",
@@ -139,3 +198,31 @@ def bench_switch(
         )
     console.print(table)
     console.print(f"report written to {out}")
+
+
+def _figures(report: dict) -> Table:
+    """The identity, memory-hit and peer figures of one run, side by side."""
+    table = Table(title="FLUX switches, same run", title_justify="left")
+    for col in ("what", "seconds", "GB moved", "GB/s"):
+        table.add_column(col, justify="left" if col == "what" else "right")
+    for label in ("bf16", "fp8"):
+        s = report.get("memory-hit", {}).get(label, {}).get("switch")
+        if s:
+            table.add_row(
+                f"nostall, whole {label} FLUX from the host tier",
+                f"{s['total_s']:.3f}",
+                f"{s['moved_bytes'] / 1e9:.2f}",
+                f"{s['gbps']:.1f}",
+            )
+    for r in report.get("diffusers", {}).get("diffusers_from_pretrained_to", []):
+        table.add_row("diffusers from_pretrained + .to (bf16)", f"{r['switch_s']:.3f}", "", "")
+    for kind in ("cold", "page_cache"):
+        for r in report.get("identity", {}).get(kind, []):
+            how = "hashing every byte" if r["hashing"] else "digests known"
+            table.add_row(
+                f"new process, {kind.replace('_', ' ')}, {how}", f"{r['total_s']:.3f}", "", ""
+            )
+    s = report.get("new-process", {}).get("switch")
+    if s:
+        table.add_row("new process, page cache (prepared)", f"{s['total_s']:.3f}", "", "")
+    return table

@@ -21,6 +21,7 @@ checkpoint.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -30,8 +31,9 @@ from typing import Any
 
 import torch
 
-from nostall.checkpoint import Checkpoint, resolve
-from nostall.errors import ArgumentError, ClosedError, DeviceError
+from nostall.checkpoint import Checkpoint, FileIndex, resolve
+from nostall.checkpoint.digest import DataHasher, FileIdentity
+from nostall.errors import ArgumentError, ClosedError, DeviceError, FileChanged, ReadError
 from nostall.io.backends import open_backend
 from nostall.io.base import DEFAULT_BLOCK_BYTES, ReadBackend
 from nostall.io.reader import ParallelReader, ReadRequest
@@ -85,12 +87,14 @@ class LoadStats:
 
 @dataclass
 class LoadResult:
-    """The loaded tensors, the checkpoint's ``__metadata__``, and the phase timings."""
+    """The loaded tensors, the checkpoint's ``__metadata__``, the phase timings, and the
+    files' data digests when the load was asked to hash (``digest=True``) and read."""
 
     tensors: dict[str, torch.Tensor]
     stats: LoadStats
     metadata: dict[str, str] = field(default_factory=dict)
     checkpoint: Checkpoint | None = None
+    digests: list[str] | None = None
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -208,6 +212,7 @@ class Loader:
         into: torch.Tensor | None = None,
         after: list[Any] | None = None,
         views: bool = True,
+        digest: bool = False,
     ) -> PendingLoad:
         """Like :meth:`load`, but return once every copy is issued; ``wait()`` ends it.
 
@@ -223,6 +228,14 @@ class Loader:
         for the current stream. With ``into``, ``views=False`` returns no tensors: the
         caller's modules already view ``into`` (a prefetch back to the same slot), and
         building thousands of views would only hold the GIL beside a running inference.
+
+        ``digest``: hash every data byte as it is read (reader threads, xxh3-128 leaves,
+        :mod:`nostall.checkpoint.digest`); :attr:`PendingLoad.digests` then holds one
+        digest per file. A memory-cache hit reads nothing and has none.
+
+        Every read compares each file's identity (``fstat``) with the one its header was
+        read under, before and after the reads: a file rewritten or replaced meanwhile
+        is a :class:`~nostall.FileChanged`, never a mix of two versions.
         """
         t0 = time.perf_counter()
         dev = resolve_device(device)
@@ -239,11 +252,11 @@ class Loader:
                 raise ClosedError("the loader is closed; create a new Loader")
             target = (into, after, views) if into is not None else None
             if pool is not None:
-                out = self._via_pool(plan, dev, pool, key, target)
+                out = self._via_pool(plan, dev, pool, key, target, digest)
             elif dev.type == "cuda":
-                out = self._via_ring(plan, dev, target)
+                out = self._via_ring(plan, dev, target, digest)
             else:
-                out = self._into_memory(plan, target)
+                out = self._into_memory(plan, target, digest)
         return PendingLoad(out, plan, dev, t0)
 
     # ---- the three routes --------------------------------------------------------
@@ -255,7 +268,13 @@ class Loader:
         return Transfer(plan, self._engine(dev), into), None if after is None else list(after)
 
     def _via_pool(
-        self, plan: LoadPlan, dev: torch.device, pool: PinnedPool, key: Hashable | None, target
+        self,
+        plan: LoadPlan,
+        dev: torch.device,
+        pool: PinnedPool,
+        key: Hashable | None,
+        target,
+        digest: bool,
     ) -> _Outcome:
         key = _identity(plan.checkpoint) if key is None else key
         block = pool.lookup(key)
@@ -272,7 +291,7 @@ class Loader:
                 out = self._copy_block(plan, block, moves, after, views)
             else:
                 route = _BlockRoute(plan, block, self.chunk_bytes)
-                out = self._read(plan, route, moves, after, views)
+                out = self._read(plan, route, moves, after, views, digest)
                 out.path = "pool"
             ok = True
             return out
@@ -299,13 +318,13 @@ class Loader:
         tensors = plan.views(moves.flat) if views else {}
         return _Outcome(tensors, "memory-cache hit", "pool", "-", moves=moves)
 
-    def _via_ring(self, plan: LoadPlan, dev: torch.device, target) -> _Outcome:
+    def _via_ring(self, plan: LoadPlan, dev: torch.device, target, digest: bool) -> _Outcome:
         ring = self._staging_ring(dev)
         ring.reset()
         moves, after = self._transfer(plan, dev, target)
         try:
             out = self._read(
-                plan, _RingRoute(plan, ring), moves, after, target is None or target[2]
+                plan, _RingRoute(plan, ring), moves, after, target is None or target[2], digest
             )
         except BaseException:
             moves.abort()
@@ -315,7 +334,7 @@ class Loader:
         out.path = "ring"
         return out
 
-    def _into_memory(self, plan: LoadPlan, target) -> _Outcome:
+    def _into_memory(self, plan: LoadPlan, target, digest: bool) -> _Outcome:
         if target is not None:
             # A caller-owned CPU target: read through the ring-less route into our own
             # memory first would hold two copies; copy chunk by chunk instead.
@@ -323,14 +342,14 @@ class Loader:
             arena = HostArena(plan.host_bytes, segment_bytes=round_up(plan.host_bytes, PAGE))
             try:
                 route = _ArenaRoute(plan, arena, self.chunk_bytes, copies=True)
-                out = self._read(plan, route, moves, None, target[2])
+                out = self._read(plan, route, moves, None, target[2], digest)
             finally:
                 arena.close()
             out.path = "host"
             return out
         nbytes = plan.host_bytes
         arena = HostArena(nbytes, segment_bytes=round_up(nbytes, PAGE))
-        out = self._read(plan, _ArenaRoute(plan, arena, self.chunk_bytes), None, None, True)
+        out = self._read(plan, _ArenaRoute(plan, arena, self.chunk_bytes), None, None, True, digest)
         host = arena.tensor
         arena.close()  # nothing is registered; the tensors keep the mapping alive
         tensors = plan.source_views(host)
@@ -356,23 +375,33 @@ class Loader:
         moves: Transfer | None,
         after: list[Any] | None,
         views: bool,
+        digest: bool,
     ) -> _Outcome:
-        """Read every range the route asks for; as each lands, copy it (``moves``).
+        """Read every range the route asks for; as each lands, copy it (``moves``), and
+        with ``digest`` hash it on the reader thread that landed it.
 
         Returns once every range has landed and its copies are issued; the caller ends
         the copies with ``moves.finish()``."""
         assert self._reader is not None
         files: list[ReadBackend] = []
         handle = None
+        ckpt = plan.checkpoint
+        hashers = [DataHasher(f.data_start, f.data_end) for f in ckpt.files] if digest else None
         try:
-            for f in plan.checkpoint.files:
+            for f in ckpt.files:
                 files.append(open_backend(f.path, self.read_mode, block_bytes=self.block_bytes))
+                _same_file(f, files[-1], "since its header was read")
             requests = []
-            for i, f in enumerate(plan.checkpoint.files):
+            for i, f in enumerate(ckpt.files):
                 for a, b in route.ranges(i):
                     expected = max(0, min(b, f.data_end) - a)
+                    then = None
+                    if hashers is not None:
+                        then = functools.partial(hashers[i].feed, a)
                     requests.append(
-                        ReadRequest(files[i], a, b - a, expected, route.dest(i, a, b), (i, a, b))
+                        ReadRequest(
+                            files[i], a, b - a, expected, route.dest(i, a, b), (i, a, b), then
+                        )
                     )
             if moves is not None:
                 moves.begin(after)
@@ -384,8 +413,11 @@ class Loader:
                 event = moves.land(i, a, b, route.host(i, a, b)) if moves is not None else None
                 route.landed(i, a, b, event)
             read_s = time.perf_counter() - t0
+            for f, backend in zip(ckpt.files, files, strict=True):
+                _same_file(f, backend, "while it was read")
             mode = files[0].name if files else "-"
-            return _Outcome(tensors, "read", "", mode, read_s, moves=moves)
+            digests = [h.digest() for h in hashers] if hashers is not None else None
+            return _Outcome(tensors, "read", "", mode, read_s, moves=moves, digests=digests)
         except BaseException:
             if handle is not None:
                 handle.cancel()  # no reader thread may still write into memory we give back
@@ -450,6 +482,7 @@ class _Outcome:
     read_s: float = 0.0
     cast_s: float = 0.0
     moves: Transfer | None = None
+    digests: list[str] | None = None
 
 
 class PendingLoad:
@@ -470,6 +503,12 @@ class PendingLoad:
     @property
     def scenario(self) -> str:
         return self._out.scenario
+
+    @property
+    def digests(self) -> list[str] | None:
+        """With ``digest=True`` on a load that read: each file's data digest (hex), in
+        the checkpoint's file order; known as soon as :meth:`Loader.start` returns."""
+        return self._out.digests
 
     @property
     def done(self) -> Any:
@@ -500,7 +539,7 @@ class PendingLoad:
             metadata: dict[str, str] = {}
             for f in ckpt.files:
                 metadata.update(f.metadata)
-            self._result = LoadResult(out.tensors, stats, metadata, ckpt)
+            self._result = LoadResult(out.tensors, stats, metadata, ckpt, out.digests)
         return self._result
 
 
@@ -634,6 +673,24 @@ def _identity(ckpt: Checkpoint) -> tuple:
             )
         )
     return ("nostall-checkpoint", tuple(ids))
+
+
+def _same_file(f: FileIndex, backend: ReadBackend, when: str) -> None:
+    """:class:`FileChanged` unless the open file is the one whose header was read."""
+    if f.identity is None:
+        return
+    try:
+        now = FileIdentity.of(os.fstat(backend.fd))
+    except OSError as e:
+        raise ReadError(f"cannot stat the open file: {e.strerror or e}", path=f.path) from e
+    if now != f.identity:
+        raise FileChanged(
+            f"the file changed {when} (size {f.identity.size} → {now.size}, modified "
+            f"{f.identity.mtime_ns} → {now.mtime_ns} ns, inode {f.identity.ino} → {now.ino}); "
+            "its bytes were not used. Switch or load again to read the new version, and "
+            "write checkpoints under a temporary name, renamed into place when complete",
+            path=f.path,
+        )
 
 
 def _check_into(into: torch.Tensor, plan: LoadPlan, dev: torch.device) -> None:

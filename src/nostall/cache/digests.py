@@ -1,0 +1,191 @@
+"""The digest index: each file's content digest, remembered by its identity on disk.
+
+A file's digest (xxh3-128 of every data byte, :mod:`nostall.checkpoint.digest`) is
+computed the first time nostall reads it; the index keeps it under the file's identity
+``(device, inode, size, mtime_ns, ctime_ns)``, so a new process knows every file it
+has seen before without reading a byte, and a file rewritten in place (new size or
+times) is simply unknown again.
+
+It lives beside the model store, not in it (model folders may be read-only): by default
+``$NOSTALL_CACHE_DIR``, else ``$XDG_CACHE_HOME/nostall``, else ``~/.cache/nostall``,
+file ``digests.sqlite``. SQLite (Python's standard library) gives atomic writes and
+locking between processes, so two workers writing at once is safe. Faults never stop a
+load: an index that is corrupt is moved aside and rebuilt, one that cannot be opened or
+written (read-only folder, full disk) is bypassed for the rest of the process, which
+then keeps its digests in memory; each is said once in the log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sqlite3
+import threading
+import time
+
+from nostall.checkpoint.digest import SCHEME, FileIdentity
+
+__all__ = ["DigestIndex", "default_cache_dir"]
+
+log = logging.getLogger(__name__)
+
+FILENAME = "digests.sqlite"
+_PRUNE_ABOVE = 100_000  # rows; older rows of files that changed or vanished are dropped
+
+
+def default_cache_dir() -> str:
+    """``$NOSTALL_CACHE_DIR``, ``$XDG_CACHE_HOME/nostall`` or ``~/.cache/nostall``."""
+    explicit = os.environ.get("NOSTALL_CACHE_DIR")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "nostall")
+
+
+class DigestIndex:
+    """Digests by file identity, in ``folder`` (default: :func:`default_cache_dir`).
+
+    ``folder=False`` keeps them in memory only. Thread-safe; safe across processes.
+
+    >>> index = DigestIndex("/tmp/nostall-cache")  # doctest: +SKIP
+    >>> index.put(FileIdentity.stat(path), path, digest)  # doctest: +SKIP
+    >>> index.get(FileIdentity.stat(path)) == digest  # doctest: +SKIP
+    True
+    """
+
+    def __init__(self, folder: str | os.PathLike | bool | None = None):
+        self._memory: dict[FileIdentity, str] = {}
+        self._lock = threading.Lock()
+        self._db: sqlite3.Connection | None = None
+        self.path: str | None = None
+        self._said: set[str] = set()
+        if folder is False:
+            return
+        root = default_cache_dir() if folder is None or folder is True else os.fspath(folder)
+        self.path = os.path.join(root, FILENAME)
+        self._open()
+
+    # ---- public --------------------------------------------------------------------
+
+    @property
+    def persistent(self) -> bool:
+        """Whether digests reach the file (else this process keeps them in memory)."""
+        return self._db is not None
+
+    def get(self, identity: FileIdentity) -> str | None:
+        """The digest of the file with this identity, if any process recorded it."""
+        with self._lock:
+            hit = self._memory.get(identity)
+            if hit is not None or self._db is None:
+                return hit
+            try:
+                row = self._db.execute(
+                    "SELECT digest FROM files WHERE dev=? AND ino=? AND size=? AND mtime_ns=? "
+                    "AND ctime_ns=? AND scheme=?",
+                    (*_ints(identity), SCHEME),
+                ).fetchone()
+            except sqlite3.Error as e:
+                self._fail("read", e)
+                return None
+            if row is not None:
+                self._memory[identity] = row[0]
+            return row[0] if row else None
+
+    def put(self, identity: FileIdentity, path: str, digest: str) -> None:
+        """Record ``digest`` for the file ``path`` with this identity (replacing what the
+        index held for that file before it changed)."""
+        with self._lock:
+            self._memory[identity] = digest
+            if self._db is None:
+                return
+            try:
+                with self._db:
+                    self._db.execute(
+                        "INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        (*_ints(identity), SCHEME, digest, os.path.abspath(path), time.time()),
+                    )
+            except sqlite3.Error as e:
+                self._fail("write", e)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+    # ---- the file --------------------------------------------------------------------
+
+    def _open(self) -> None:
+        assert self.path is not None
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self._db = self._connect()
+        except sqlite3.DatabaseError as e:
+            if not _corrupt(e):
+                self._fail("open", e)
+                return
+            aside = f"{self.path}.corrupt-{int(time.time())}"
+            self._say(
+                f"digest index {self.path} is corrupt ({e}); moved to {aside} and rebuilt: "
+                "files are hashed again as they are read"
+            )
+            try:
+                os.replace(self.path, aside)
+                self._db = self._connect()
+            except (OSError, sqlite3.Error) as e2:
+                self._fail("rebuild", e2)
+        except OSError as e:
+            self._fail("open", e)
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, timeout=30, check_same_thread=False)
+        try:
+            # Rows are keyed by (dev, ino): a file that changes replaces its own row.
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS files (dev INTEGER, ino INTEGER, size INTEGER, "
+                "mtime_ns INTEGER, ctime_ns INTEGER, scheme TEXT, digest TEXT, path TEXT, "
+                "seen REAL, PRIMARY KEY (dev, ino))"
+            )
+            db.commit()
+            (count,) = db.execute("SELECT count(*) FROM files").fetchone()
+            if count > _PRUNE_ABOVE:
+                with db:
+                    db.execute(
+                        "DELETE FROM files WHERE rowid IN (SELECT rowid FROM files "
+                        "ORDER BY seen LIMIT ?)",
+                        (count - _PRUNE_ABOVE // 2,),
+                    )
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _fail(self, what: str, e: BaseException) -> None:
+        if self._db is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.close()
+            self._db = None
+        self._say(
+            f"digest index {self.path}: cannot {what} it ({e}); this process keeps digests in "
+            "memory only (a new process hashes files again). Set NOSTALL_CACHE_DIR or "
+            "cache_dir= to a writable folder"
+        )
+
+    def _say(self, message: str) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            log.warning("%s", message)
+
+
+def _ints(i: FileIdentity) -> tuple[int, ...]:
+    # SQLite integers are 64-bit signed; a device or inode number above that (some
+    # network filesystems) is stored as its two's complement.
+    return tuple(
+        v - (1 << 64) if v >= 1 << 63 else v for v in (i.dev, i.ino, i.size, i.mtime_ns, i.ctime_ns)
+    )
+
+
+def _corrupt(e: sqlite3.DatabaseError) -> bool:
+    text = str(e).lower()
+    return "not a database" in text or "malformed" in text or "corrupt" in text
