@@ -18,8 +18,11 @@ MB = 1 << 20
 
 
 @pytest.fixture
-def cache(store):
-    with nostall.ModelCache(store, device="cpu", gpu_budget=64 * MB, host_budget=64 * MB) as c:
+def cache(store, tmp_path):
+    # A digest index of its own: what the cache knows does not depend on earlier tests.
+    with nostall.ModelCache(
+        store, device="cpu", gpu_budget=64 * MB, host_budget=64 * MB, cache_dir=tmp_path
+    ) as c:
         yield c
 
 
@@ -42,6 +45,8 @@ def test_images_equal_from_pretrained_across_switches_and_back(store, cache):
 
 
 def test_a_pipeline_sharing_components_moves_only_what_differs(cache):
+    for name in ("flux", "flux-b"):
+        cache.store.index_files(name)  # digests known ahead (nostall index)
     cache.pipeline("flux")
     report = cache.pipeline("flux-b") and cache.last_report
     assert _tiers(report) == {
@@ -51,9 +56,28 @@ def test_a_pipeline_sharing_components_moves_only_what_differs(cache):
         "vae": "device",
     }
     assert report.moved_bytes == report.components[2].nbytes
+    assert not any(c.hashed for c in report.components)
     s = cache.stats()
     shared = [d for d, c in s.components.items() if c["pipelines"] == ["flux", "flux-b"]]
     assert len(shared) == 3
+
+
+def test_equal_copies_share_once_their_first_reads_have_hashed_them(cache):
+    # flux-b's T5, CLIP and VAE are separate files with flux's bytes. Unread, nothing says
+    # they are equal: the first switch reads and hashes them; from then on one copy serves.
+    cache.pipeline("flux")
+    first = cache.pipeline("flux-b") and cache.last_report
+    assert set(_tiers(first).values()) == {"disk"}
+    assert all(c.hashed for c in first.components)
+    a, b = cache.store.entry("flux"), cache.store.entry("flux-b")
+    for role in ("text_encoder", "text_encoder_2", "vae"):
+        assert a.components[role].digest == b.components[role].digest
+    assert a.components["transformer"].digest != b.components["transformer"].digest
+    assert all(c.exact for c in b.weights)
+    dupes = {c.digest for c in first.components if c.role != "transformer"}
+    assert not dupes & cache._host.resident()  # the duplicates left the host tier
+    again = cache.pipeline("flux-b") and cache.last_report
+    assert again.moved_bytes == 0 and not any(c.hashed for c in again.components)
 
 
 def test_same_architecture_switch_copies_in_place(store):
@@ -268,7 +292,7 @@ def test_a_component_back_at_its_offset_builds_no_views(store, cache, monkeypatc
     assert np.array_equal(out, reference(store, "flux"))
 
 
-def _fp8_reference(folder, name):
+def _fp8_reference(folder, name, dtype=None):
     """The FP8 pipeline as nostall.load_model builds each FP8 component (upcast on CPU)."""
     from diffusers import DiffusionPipeline
 
@@ -282,8 +306,8 @@ def _fp8_reference(folder, name):
         except Exception:
             continue
         if any(e.dtype.startswith("F8") for _, e in ckpt.entries()):
-            parts[sub] = nostall.load_model(path)
-    pipe = DiffusionPipeline.from_pretrained(str(folder), **parts)
+            parts[sub] = nostall.load_model(path, dtype=dtype)
+    pipe = DiffusionPipeline.from_pretrained(str(folder), torch_dtype=dtype, **parts)
     pipe.set_progress_bar_config(disable=True)
     return run(pipe, name), set(parts)
 
@@ -296,30 +320,29 @@ def test_an_fp8_pipeline_is_served_as_load_model_builds_it(store, tmp_path, comp
 
     from nostall.quant import modules as quant_modules
 
-    if compute == "tensor-cores":  # the CPU's _scaled_mm stands in for a capable GPU's
-        pytest.importorskip("torchao")
+    # the CPU's _scaled_mm stands in for a capable GPU's; it takes bf16 activations
+    kw = {"dtype": torch.bfloat16} if compute == "tensor-cores" else {}
     monkeypatch.setattr(quant_modules, "fp8_compute", lambda device: (compute, "test"))
 
     dst = tmp_path / "models"
     dst.mkdir()
     nostall.quantize(os.path.join(store, "flux"), dst / "flux8")
     shutil.copytree(os.path.join(store, "sdxl"), dst / "sdxl")
-    ref, fp8_parts = _fp8_reference(dst / "flux8", "flux")
+    ref, fp8_parts = _fp8_reference(dst / "flux8", "flux", **kw)
     assert "transformer" in fp8_parts
     # room for one pipeline at a time: every switch evicts, so flux8 is re-bound
-    with nostall.ModelCache(dst, device="cpu", gpu_budget=2 * MB, host_budget=64 * MB) as c:
+    with nostall.ModelCache(dst, device="cpu", gpu_budget=2 * MB, host_budget=64 * MB, **kw) as c:
         for name in ("flux8", "sdxl", "flux8", "flux8"):
             with c.use(name) as pipe:
                 out = run(pipe, "flux" if name == "flux8" else name)
                 if name == "flux8":
                     assert np.array_equal(out, ref)
-                    w = pipe.transformer.transformer_blocks[0].attn.to_q.weight
-                    if compute == "upcast":
-                        assert w.dtype == torch.float8_e4m3fn
-                    else:
-                        assert w.qdata.dtype == torch.float8_e4m3fn
-                else:
+                    q = pipe.transformer.transformer_blocks[0].attn.to_q
+                    assert q.weight.dtype == torch.float8_e4m3fn
+                    assert q._fp8_tensor_cores == (compute == "tensor-cores")
+                elif not kw:  # (the bf16 run's sdxl has no fp32 reference)
                     assert np.array_equal(out, reference(store, "sdxl"))
+            c.evict("gpu")  # the next flux8 is bound again from the host tier
         tiers = [{x.tier for x in r.components} for r in c.reports]
         assert "host" in tiers[2]  # flux8 came back from the host tier (rebound)
         sizes = {x.role: x.nbytes for x in c.reports[0].components}
@@ -387,3 +410,63 @@ def test_a_pipeline_without_its_text_encoders_moves_none_and_takes_embeddings(st
         cache.pipeline("flux", without=["tokenizer"])
     with pytest.raises(ArgumentError, match="no weights component"):
         cache.prefetch("flux", without=["text_encoder_9"])
+
+
+def test_a_file_rewritten_in_place_between_switches_is_served_new(store, tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from nostall.checkpoint import resolve
+
+    shutil.copytree(store / "flux", tmp_path / "s" / "flux")
+    with nostall.ModelCache(
+        tmp_path / "s", device="cpu", gpu_budget=64 * MB, host_budget=64 * MB, cache_dir=tmp_path
+    ) as c:
+        with c.use("flux") as pipe:
+            before = run(pipe, "flux")
+        (f,) = resolve(tmp_path / "s" / "flux" / "transformer").files
+        t = load_file(f.path)
+        t = {k: v * 1.5 if v.is_floating_point() else v for k, v in t.items()}
+        save_file(t, f.path + ".tmp", metadata=f.metadata)
+        with open(f.path, "r+b") as out, open(f.path + ".tmp", "rb") as new:
+            out.write(new.read())  # in place: same inode, same size
+        with c.use("flux") as pipe:
+            after = run(pipe, "flux")
+        tiers = {x.role: (x.tier, x.hashed) for x in c.last_report.components}
+        assert tiers["transformer"] == ("disk", True) and tiers["vae"][0] == "device"
+        assert not np.array_equal(after, before)
+        assert np.array_equal(after, reference(tmp_path / "s", "flux"))
+        w = pipe.transformer.transformer_blocks[0].attn.to_q.weight
+        assert torch.equal(w, t["transformer_blocks.0.attn.to_q.weight"])
+
+
+def test_the_digest_index_spares_a_new_process_the_hashing(store, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys, nostall\n"
+        "c = nostall.ModelCache(sys.argv[1], device='cpu', gpu_budget=64 << 20,"
+        " host_budget=64 << 20, cache_dir=sys.argv[2])\n"
+        "c.pipeline('sdxl')\n"
+        "r = c.last_report\n"
+        "print(json.dumps({x.role: [x.digest, x.tier, x.hashed] for x in r.components}))\n"
+    )
+
+    def child():
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(store), str(tmp_path)],
+            capture_output=True, text=True, timeout=300, check=True,
+        )  # fmt: skip
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first, second = child(), child()
+    assert all(hashed for _, _, hashed in first.values())
+    assert not any(hashed for _, _, hashed in second.values())
+    # the second process served them under their content digests from the start
+    s = nostall.cache.Store(store, cache_dir=tmp_path).entry("sdxl")
+    assert {c.role: c.digest[:12] for c in s.weights} == {r: d for r, (d, _, _) in second.items()}
+    assert all(c.exact for c in s.weights)

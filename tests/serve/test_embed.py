@@ -270,3 +270,25 @@ def test_left_out_encoders_on_disk_do_not_make_a_model_look_cold(embed, serve):
     assert tiers["text_encoder_2"] == "disk" and tiers["transformer"] == "gpu"
     # what a flux image job waits for is on the GPU: the fleet's router must see that
     assert worker.status()["models"]["flux"] == ["gpu"]
+
+
+def test_the_service_serves_an_fp8_t5_folder_as_it_is(store, tmp_path):
+    # `nostall quantize` output (T5 and CLIP in e4m3) served without a conversion step.
+    import nostall
+    from nostall.quant.check import sqnr_db
+    from nostall.serve.embed import EmbeddingService
+
+    models = tmp_path / "models"
+    models.mkdir()
+    nostall.quantize(store / "flux", models / "flux8")
+    service = EmbeddingService(models, device="cpu").start()
+    try:
+        out, hits = service.encode("flux8/text_encoder_2", ["a red fox"], 16)
+    finally:
+        service.shutdown()
+    t5 = service._by_name["flux8/text_encoder_2"].module
+    assert any(p.dtype == torch.float8_e4m3fn for p in t5.parameters())  # served in FP8
+    ref, _ = _pipeline_embeds(store, "a red fox")
+    got = out["last_hidden_state"]
+    assert hits == 0 and got.shape == ref.shape and got.isfinite().all()
+    assert sqnr_db(ref, got) > 15

@@ -62,7 +62,8 @@ class Instance:
             tensors, scales = prepare_fp8(tensors, metadata, path=c.folder)
         adopt(self.module, tensors, device=device, strict=True, path=c.folder)
         if scales:
-            install_fp8(self.module, scales, path=c.folder)
+            # Nothing may be read here: a layer needing its FP8 weight dequantized is refused.
+            install_fp8(self.module, scales, path=c.folder, dequantize_kept=False)
         self.offset = slot.offset
         return time.perf_counter() - t
 

@@ -7,18 +7,12 @@ community's "scaled FP8" files, one scale per tensor, a ``scaled_fp8`` marker te
 per-layer ``input_scale`` tensors, both dropped) and torchao's flattened layout is
 renamed into it first (:mod:`nostall.quant.layouts`).
 
-Each such ``nn.Linear`` then computes in one of two ways, chosen once per load:
-
-* **FP8 tensor cores** (CUDA GPUs of compute capability 8.9 or newer, with torchao):
-  the weight parameter becomes torchao's ``Float8Tensor`` built directly over the loaded
-  e4m3 view and its scales (``torch.utils.swap_tensors``: the same parameter object, no
-  copy), and each call quantizes the activation per row and multiplies with
-  ``torch._scaled_mm``. Layers whose dimensions are not multiples of 16 upcast instead.
-* **Upcast per call** (CPU, older GPUs, no torchao): the scale becomes a buffer and the
-  layer computes ``x @ (q * scale)ᵀ`` in the input's dtype, as diffusers' layerwise
-  casting does.
-
-Which one ran is said once in the log.
+Each such ``nn.Linear`` keeps its parameter names (``weight`` in e4m3, ``weight_scale``
+a buffer) and gets nostall's FP8 forward (:func:`nostall.quant.linear.fp8_linear`):
+FP8 tensor cores on CUDA GPUs of compute capability 8.9 or newer (activations
+quantized per row in one kernel), the weight upcast per call elsewhere. The same
+forward runs in ``load_model``'s modules and in the model cache's, so both give the
+same bits. Which one ran is said once in the log.
 """
 
 from __future__ import annotations
@@ -28,17 +22,17 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from nostall.errors import CheckpointError
 from nostall.quant.fp8 import SCALE_SUFFIX, dequantize
+from nostall.quant.linear import fp8_linear
 
-__all__ = ["fp8_compute", "install_fp8", "prepare_fp8", "split_fp8"]
+__all__ = ["fp8_compute", "install_fp8", "keep_in_fp32", "prepare_fp8", "split_fp8"]
 
 log = logging.getLogger(__name__)
 _FP8 = (torch.float8_e4m3fn,)
 _DROPPED = ("scaled_fp8",)
-_said: set[str] = set()
+_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def split_fp8(
@@ -60,7 +54,22 @@ def split_fp8(
                 path=path,
                 tensor=name,
             )
-        if not (scale.numel() == 1 or scale.reshape(-1).shape[0] == plain[name].shape[0]):
+        if plain[name].dim() != 2:
+            raise CheckpointError(
+                f"FP8 tensor {name!r} has shape {tuple(plain[name].shape)}; nostall reads FP8 "
+                "linear weights (2-D) only",
+                path=path,
+                tensor=name,
+            )
+        if scale.dtype not in _SCALE_DTYPES:
+            raise CheckpointError(
+                f"scale of {name!r} is {scale.dtype}; FP8 scales are floating point "
+                "(float32, bf16 or fp16): the file was written by a tool nostall does not know",
+                path=path,
+                tensor=name + SCALE_SUFFIX,
+            )
+        rows = plain[name].shape[0]
+        if not (scale.numel() == 1 or (scale.numel() == rows and max(scale.shape) == rows)):
             raise CheckpointError(
                 f"scale of {name!r} has shape {tuple(scale.shape)}; expected one value or one "
                 f"per output row ({plain[name].shape[0]})",
@@ -75,12 +84,15 @@ def split_fp8(
 
 
 class _FP8Linear:
-    """Mixed into the layer's own class: same module, weight upcast per call."""
+    """Mixed into the layer's own class: same module, same parameter names (the e4m3
+    ``weight``, the ``weight_scale`` buffer), FP8 forward (:func:`fp8_linear`)."""
+
+    _fp8_tensor_cores: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = dequantize(self.weight, self.weight_scale, x.dtype)
-        bias = self.bias.to(x.dtype) if self.bias is not None else None
-        return F.linear(x, w, bias)
+        return fp8_linear(
+            x, self.weight, self.weight_scale, self.bias, tensor_cores=self._fp8_tensor_cores
+        )
 
 
 _CLASSES: dict[type, type] = {}
@@ -109,22 +121,26 @@ def fp8_compute(device: torch.device) -> tuple[str, str]:
         return "upcast", f"{device} is compute capability {major}.{minor}; FP8 needs 8.9+"
     if not hasattr(torch, "_scaled_mm"):
         return "upcast", f"torch {torch.__version__} has no _scaled_mm"
-    try:
-        _torchao()
-    except ImportError as e:
-        return "upcast", f"torchao is not importable ({e}; pip install torchao)"
-    return "tensor-cores", f"torchao Float8Tensor, per-row scaled_mm on {device}"
+    from nostall.quant.kernels import triton_available
+
+    how = "one Triton kernel" if triton_available() else "torch ops (no Triton: slower)"
+    return "tensor-cores", f"scaled_mm on {device}, activations quantized per row by {how}"
 
 
-def _torchao():
-    from torchao.float8.inference import Float8MMConfig
-    from torchao.quantization.granularity import PerRow
-    from torchao.quantization.quantize_.workflows.float8.float8_tensor import (
-        Float8Tensor,
-        QuantizeTensorToFloat8Kwargs,
-    )
+def keep_in_fp32(module: nn.Module) -> tuple[str, ...]:
+    """The model's ``_keep_in_fp32_modules`` (transformers and diffusers declare them):
+    layers whose callers read their weight's dtype or need its precision (T5's ``wo``:
+    its feed-forward casts activations to ``wo.weight.dtype``)."""
+    found: list[str] = []
+    for sub in module.modules():
+        found.extend(getattr(sub, "_keep_in_fp32_modules", None) or ())
+    return tuple(sorted(set(found)))
 
-    return Float8Tensor, QuantizeTensorToFloat8Kwargs, PerRow, Float8MMConfig
+
+def _kept(name: str, patterns: tuple[str, ...]) -> bool:
+    # transformers' own rule: a pattern names one dotted part of the parameter's name.
+    parts = name.split(".")
+    return any(p in parts for p in patterns)
 
 
 def install_fp8(
@@ -133,12 +149,26 @@ def install_fp8(
     *,
     path: str | None = None,
     compute: str = "auto",
+    dequantize_kept: bool = True,
 ) -> int:
     """Give every linear layer whose weight is FP8 its scale and its way to compute
     (``compute``: ``"auto"`` picks by :func:`fp8_compute`; ``"tensor-cores"`` or
-    ``"upcast"`` force one); returns how many layers. A scale on anything but an
-    ``nn.Linear`` weight is a :class:`~nostall.CheckpointError`."""
+    ``"upcast"`` force one); returns how many layers.
+
+    Float32 scales become buffers as they are, unread (views, while the model cache may
+    still be copying them; it casts scales to float32 on the way in); others are cast.
+
+    A layer the model keeps in float32 (:func:`keep_in_fp32`) cannot run FP8: its
+    caller casts activations to its weight's dtype. ``nostall quantize`` leaves those
+    layers alone; a file from elsewhere that converted them gets them dequantized here
+    into the model's dtype (``dequantize_kept``, reads the weights: ``load_model``), or
+    a :class:`~nostall.CheckpointError` that says so (the model cache, whose weights
+    may still be in flight). A scale on anything but an ``nn.Linear`` weight is a
+    :class:`~nostall.CheckpointError`.
+    """
+    kept_patterns = keep_in_fp32(module)
     owners: list[nn.Linear] = []
+    kept: list[tuple[str, nn.Linear, torch.Tensor]] = []
     for name, scale in scales.items():
         owner_name, _, attr = name.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
@@ -149,35 +179,75 @@ def install_fp8(
                 path=path,
                 tensor=name,
             )
-        owner.register_buffer("weight_scale", scale.float().reshape(-1), persistent=False)
+        if _kept(name, kept_patterns):
+            if not dequantize_kept:
+                raise CheckpointError(
+                    f"FP8 weight {name!r} is in a layer {type(module).__name__} keeps in "
+                    f"float32 (_keep_in_fp32_modules={list(kept_patterns)}): its caller casts "
+                    "activations to that weight's dtype, so it cannot compute in FP8. Convert "
+                    "the original with nostall quantize (which keeps those layers), or load "
+                    "this file with nostall.load_model (which dequantizes them)",
+                    path=path,
+                    tensor=name,
+                )
+            kept.append((name, owner, scale))
+            continue
+        if scale.dtype != torch.float32:
+            scale = scale.float()  # reads it: the model cache casts on the way in instead
+        owner.register_buffer("weight_scale", scale.reshape(-1), persistent=False)
         base = _base(type(owner))
         cls = _CLASSES.get(base)
         if cls is None:
             cls = _CLASSES[base] = type(f"FP8{base.__name__}", (_FP8Linear, base), {})
         owner.__class__ = cls
         owners.append(owner)
+    if kept:
+        _dequantize_kept(module, kept)
     if not owners:
-        return 0
+        return len(kept)
     how, why = fp8_compute(owners[0].weight_scale.device)
     if compute != "auto":
         how, why = compute, f"asked for {compute}"
     cores = 0
-    if how == "tensor-cores":
-        for owner in owners:
-            rows, cols = owner.weight.shape
-            if rows % 16 == 0 and cols % 16 == 0:
-                _to_float8_tensor(owner)
-                cores += 1
+    for owner in owners:
+        rows, cols = owner.weight.shape
+        # scaled_mm takes K and N in multiples of 16; quantize only writes such layers.
+        owner._fp8_tensor_cores = how == "tensor-cores" and rows % 16 == 0 and cols % 16 == 0
+        cores += owner._fp8_tensor_cores
     message = (
         f"FP8 weights: {cores} of {len(owners)} linear layers on FP8 tensor cores ({why}), "
         "the rest upcast per call"
         if how == "tensor-cores"
         else f"FP8 weights: linear layers keep e4m3 storage and upcast per call ({why})"
     )
+    _say_once(message)
+    return len(owners) + len(kept)
+
+
+def _dequantize_kept(module: nn.Module, kept: list[tuple[str, nn.Linear, torch.Tensor]]) -> None:
+    dtype = next(
+        (p.dtype for p in module.parameters() if p.is_floating_point() and p.dtype.itemsize > 1),
+        torch.float32,
+    )
+    extra = 0
+    for _name, owner, scale in kept:
+        w = dequantize(owner.weight.detach(), scale.reshape(-1), dtype)
+        owner.weight = nn.Parameter(w, requires_grad=False)
+        extra += w.numel() * (w.element_size() - 1)
+    _say_once(
+        f"FP8 weights: {len(kept)} linear layers that {type(module).__name__} keeps in full "
+        f"precision were dequantized to {dtype} at load (+{extra / 1e9:.2f} GB); "
+        "nostall quantize leaves those layers unconverted"
+    )
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
     if message not in _said:
         _said.add(message)
         log.info("%s", message)
-    return len(owners)
 
 
 def _base(cls: type) -> type:
@@ -185,34 +255,3 @@ def _base(cls: type) -> type:
     if issubclass(cls, _FP8Linear):
         return next(b for b in cls.__mro__[1:] if not issubclass(b, _FP8Linear))
     return cls
-
-
-def _to_float8_tensor(owner: nn.Linear) -> None:
-    """Rebind ``owner.weight`` to a torchao ``Float8Tensor`` over the same e4m3 bytes and
-    its scales; the layer returns to its own class (``F.linear`` dispatches to torchao)."""
-    Float8Tensor, ActKwargs, PerRow, Float8MMConfig = _torchao()
-    from torchao.quantization.granularity import PerTensor
-
-    q = owner.weight.detach()
-    rows, cols = q.shape
-    s = owner.weight_scale
-    # Views only: in the model cache this runs while the weights are still being copied.
-    if s.numel() == rows:  # one scale per output row; activations quantized per row
-        scale, block, act = s.reshape(rows, 1), [1, cols], PerRow()
-    else:  # one scale per tensor (scaled-FP8 files); activations per tensor
-        scale, block, act = s.reshape(1, 1), [rows, cols], PerTensor()
-    dtype = owner.bias.dtype if owner.bias is not None else torch.bfloat16
-    w = Float8Tensor(
-        q,
-        scale,
-        block_size=block,
-        mm_config=Float8MMConfig(use_fast_accum=True),
-        act_quant_kwargs=ActKwargs(granularity=act),
-        dtype=dtype,
-    )
-    new = nn.Parameter(w, requires_grad=False)
-    try:
-        torch.utils.swap_tensors(owner.weight, new)  # same Parameter object, new contents
-    except RuntimeError:  # e.g. something holds a weak reference to it
-        owner.weight = new
-    owner.__class__ = _base(type(owner))
