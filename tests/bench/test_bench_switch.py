@@ -56,3 +56,56 @@ def test_cold_part_drops_the_cache_announced_and_compares_with_the_disk(tmp_path
     assert len(drops) == 2 and sum("dropping the OS page cache" in line for line in lines) == 2
     assert cold["disk"]["gbps"] == 1.5
     assert report["targets"]["cold_vs_disk_sequential_read"]["value"] == cold["gbps"] / 1.5
+
+
+def test_identity_memory_hit_and_diffusers_parts(tmp_path, monkeypatch):
+    from nostall.bench import load as load_bench
+    from nostall.bench.switch import run_switch_bench
+
+    import contextlib
+    import io
+    import types
+
+    from nostall.bench import switch as switch_bench
+
+    drops = []
+    monkeypatch.setattr(load_bench, "drop_caches", lambda: drops.append(1))
+
+    def child(self, name, cache_dir=None):  # the child's code, in this process (CI time)
+        args = types.SimpleNamespace(store=self.folder, name=name, device="cpu", size=self.size,
+                                     cache_dir=cache_dir or self.digests)  # fmt: skip
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            switch_bench._child(args)
+        return json.loads(buf.getvalue().strip().splitlines()[-1])
+
+    monkeypatch.setattr(switch_bench._Bench, "child", child)
+    report = run_switch_bench(
+        folder=str(tmp_path / "store"),
+        size="tiny",
+        device="cpu",
+        parts=("identity", "memory-hit", "diffusers", "new-process"),
+        log=lambda s: None,
+    )
+    for part in ("identity", "memory-hit", "diffusers", "new-process"):
+        assert "error" not in report[part], report[part]
+    ident = report["identity"]
+    # fresh processes: the one with an empty index hashed, the next one did not
+    assert [r["hashing"] for r in ident["cold"]] == [True, False] and len(drops) == 2
+    assert [r["hashing"] for r in ident["page_cache"]] == [True, False]
+    assert "cold_overhead" in ident and "page_cache_overhead" in ident
+    hits = report["memory-hit"]
+    for label in ("bf16", "fp8"):
+        tiers = {c["tier"] for c in hits[label]["switch"]["components"]}
+        assert tiers == {"host"}, (label, tiers)
+    assert hits["fp8"]["switch"]["moved_bytes"] < hits["bf16"]["switch"]["moved_bytes"]
+    # memory-hit filled the bench's digest index: the new process hashed nothing
+    assert not any(c["hashed"] for c in report["new-process"]["switch"]["components"])
+    t = report["targets"]
+    for name in (
+        "hash_overhead",
+        "flux_memory_hit_speedup_vs_diffusers_from_pretrained",
+        "fp8_flux_memory_hit_speedup_vs_diffusers_from_pretrained",
+        "page_cache_flux_new_process_s",
+    ):
+        assert t[name]["value"] is not None, name

@@ -1,28 +1,35 @@
-"""``nostall bench fp8``: a FLUX-size transformer in bf16 and in nostall's FP8, side by side.
+"""``nostall bench fp8``: FLUX in bf16 and in nostall's FP8, side by side, with a peer.
 
-One run, one process, one GPU:
+One run, one process, one GPU, over a FLUX.1-dev store (random weights at real size,
+``size="tiny"``: the tiny FLUX for CPU runs) and its :func:`nostall.quantize` copy
+(transformer, T5 and CLIP in FP8; the VAE as it is). Parts (``parts``):
 
-1. write a random FLUX.1-dev transformer (bf16, diffusers' layout; ``size="tiny"``: a
-   small FLUX for CPU runs) and convert it with :func:`nostall.quantize`;
-2. **bytes** of each folder's weights;
-3. **page-cache load**: ``nostall.load_model(folder, device)`` with the files in the OS
-   page cache (read once before), median of ``repeat``;
-4. **memory hit**: the same through a pinned :class:`~nostall.PinnedPool` that already
-   holds the bytes (``load_model``: module built too), and the **switch** a model cache
-   makes for a component whose module already views its device memory (the pool's bytes
-   copied into that memory, nothing built: the issue's memory-hit switch), medians;
-5. **forward**: one denoising forward at 1024x1024 (4096 image tokens, 512 text tokens,
-   batch 1), eager and ``torch.compile``d, bf16 against FP8 (FP8 tensor cores where the
-   GPU has them, see :mod:`nostall.quant.modules`), median of ``repeat`` after warm-up;
-   compile time reported apart;
-6. **SQNR** of the FP8 forward's output against bf16's on the same inputs.
+* ``loads``: **bytes** of the transformer in each; **page-cache load** with
+  ``nostall.load_model(folder, device)`` (files in the OS page cache), median of
+  ``repeat``; **memory hit** through a pinned pool that holds the bytes; the **switch**
+  a model cache makes for a component whose module already views its device memory.
+* ``forward``: one denoising forward at 1024x1024 (4096 image + 512 text tokens, batch
+  1), eager: bf16, nostall FP8 (FP8 tensor cores where the GPU has them,
+  :mod:`nostall.quant.linear`), and the **peer**, torchao's own float8 dynamic-activation
+  quantisation (per-row) of the same bf16 model on the same layers; each output's SQNR
+  against bf16's.
+* ``compile``: the same forward with ``compile_repeated_blocks`` (regional
+  ``torch.compile``), bf16 and nostall FP8; compile time apart. Skipped, and said so,
+  once ``compile_budget_s`` is spent.
+* ``cache``: the FP8 transformer served by the model cache against ``load_model``'s:
+  the same forward, bit for bit.
+* ``e2e``: the seed's headline measured our way: FLUX at 1024², 28 steps, end to end
+  through the model cache (switch from the host tier, text encoding, denoising, VAE),
+  bf16 against FP8.
 
-The report's ``targets`` are issue #10's; :func:`evaluate_targets` recomputes them.
+The report's ``targets`` are the identity + FP8 issue's; :func:`evaluate_targets`
+recomputes them.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import statistics
 import tempfile
@@ -34,9 +41,10 @@ import torch
 from nostall.bench.load import _commit, _hardware
 from nostall.quant.check import sqnr_db
 
-__all__ = ["evaluate_targets", "run_fp8_bench"]
+__all__ = ["PARTS", "evaluate_targets", "fp8_store", "run_fp8_bench"]
 
 SIZES = ("full", "tiny")
+PARTS = ("loads", "forward", "cache", "e2e", "compile")  # compile last: the budget ends it
 
 
 def _sync(dev: torch.device) -> None:
@@ -108,16 +116,18 @@ def _inputs(module, size: str, dev: torch.device, seed: int = 0) -> dict:
     img_ids = torch.zeros(side, side, 3, device=dev)
     img_ids[..., 1] = torch.arange(side, device=dev)[:, None]
     img_ids[..., 2] = torch.arange(side, device=dev)[None, :]
-    return {
+    inputs = {
         "hidden_states": randn(1, tokens, cfg.in_channels),
         "encoder_hidden_states": randn(1, text, cfg.joint_attention_dim),
         "pooled_projections": randn(1, cfg.pooled_projection_dim),
         "timestep": torch.full((1,), 0.5, device=dev, dtype=bf16),
         "img_ids": img_ids.reshape(-1, 3).to(bf16),
         "txt_ids": torch.zeros(text, 3, device=dev, dtype=bf16),
-        "guidance": torch.full((1,), 3.5, device=dev, dtype=bf16),
         "return_dict": False,
     }
+    if cfg.guidance_embeds:  # FLUX.1-dev's distilled guidance
+        inputs["guidance"] = torch.full((1,), 3.5, device=dev, dtype=bf16)
+    return inputs
 
 
 def _time_forward(fn: Callable, dev: torch.device, repeat: int) -> tuple[list[float], object]:
@@ -159,148 +169,353 @@ def _switch_hits(folder: str, dev: torch.device, repeat: int, nbytes: int) -> fl
     return statistics.median(times)
 
 
+def fp8_store(store: str, *, log: Callable[[str], None] = print) -> str:
+    """The FP8 copy of ``store``'s ``flux`` pipeline, as ``<store>-fp8/flux8`` (made once);
+    returns the FP8 store's root (a folder holding ``flux8``)."""
+    import nostall
+
+    root = store.rstrip(os.sep) + "-fp8"
+    dst = os.path.join(root, "flux8")
+    if not os.path.isfile(os.path.join(dst, "model_index.json")):
+        os.makedirs(root, exist_ok=True)
+        t = time.perf_counter()
+        report = nostall.quantize(os.path.join(store, "flux"), dst)
+        log(
+            f"quantized the FLUX pipeline ({report.quantized} tensors, "
+            f"{report.bytes_in / 1e9:.2f} → {report.bytes_out / 1e9:.2f} GB) in "
+            f"{time.perf_counter() - t:.1f} s"
+        )
+    return root
+
+
 def run_fp8_bench(
     *,
     size: str = "full",
     device: str = "cuda",
-    work: str | None = None,
+    store: str | None = None,
     repeat: int = 5,
-    compile: bool = True,
+    parts: tuple[str, ...] = PARTS,
+    compile_budget_s: float | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Run the benchmark; return the JSON-able report (see the module docstring)."""
-    import nostall
-    from nostall.api import load_model_with_stats
+    from nostall.bench.stores import write_store
     from nostall.errors import ArgumentError
-    from nostall.memory.pool import PinnedPool
     from nostall.quant.modules import fp8_compute
-    from nostall.transfer.loader import Loader
 
     if size not in SIZES:
         raise ArgumentError(f"size={size!r}; choose one of {', '.join(SIZES)}")
     if repeat < 1:
         raise ArgumentError(f"repeat={repeat}; time at least one run")
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        raise ArgumentError(f"parts {unknown}; choose from {', '.join(PARTS)}")
     dev = torch.device(device)
-    work = work or tempfile.mkdtemp(prefix="nostall-fp8-")
-    src = os.path.join(work, "transformer-bf16")
-    dst = os.path.join(work, "transformer-fp8")
+    store = store or tempfile.mkdtemp(prefix="nostall-fp8-")
+    t0 = time.perf_counter()
+    t = time.perf_counter()
+    write_store(store, ("flux",), size=size, device=dev, progress=log)
+    fp8_root = fp8_store(store, log=log)
+    src = os.path.join(store, "flux", "transformer")
+    dst = os.path.join(fp8_root, "flux8", "transformer")
     report: dict = {
         "benchmark": "fp8",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "commit": _commit(),
         "hardware": _hardware(dev),
         "config": {
-            "model": "FluxTransformer2DModel (FLUX.1-dev config), random weights"
+            "model": "FLUX.1-dev layout, random weights (transformer 23.8 GB bf16)"
             if size == "full"
-            else "tiny FluxTransformer2DModel",
+            else "tiny FLUX",
             "size": size,
             "forward": "1024x1024: 4096 image + 512 text tokens, batch 1"
             if size == "full"
             else "256 image + 32 text tokens, batch 1",
             "repeat": repeat,
-            "compile": compile,
+            "parts": list(parts),
             "fp8_compute": list(fp8_compute(dev)),
+            "peer": "torchao Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()), "
+            "same layers",
         },
-        "results": {},
+        "results": {"stores_s": time.perf_counter() - t},
     }
     res = report["results"]
-    if not os.path.exists(os.path.join(src, "config.json")):
-        t = time.perf_counter()
-        write_transformer(src, size, dev, progress=log)
-        log(f"wrote the bf16 transformer in {time.perf_counter() - t:.1f} s")
-    if not os.path.exists(os.path.join(dst, "config.json")):
-        t = time.perf_counter()
-        q = nostall.quantize(src, dst)
-        res["quantize_s"] = time.perf_counter() - t
-        res["quantized_tensors"] = q.quantized
-        log(f"quantized {q.quantized} tensors in {res['quantize_s']:.1f} s")
     res["bytes"] = {"bf16": _folder_bytes(src), "fp8": _folder_bytes(dst)}
     res["bytes"]["ratio"] = res["bytes"]["fp8"] / res["bytes"]["bf16"]
     log(f"bytes: bf16 {res['bytes']['bf16'] / 1e9:.2f} GB, fp8 {res['bytes']['fp8'] / 1e9:.2f} GB")
-
-    # Loads: page cache (files read once first), then pool hits.
-    res["page_cache_load_s"], res["memory_hit_s"], res["switch_hit_s"] = {}, {}, {}
-    for name, folder in (("bf16", src), ("fp8", dst)):
-        for f in os.listdir(folder):  # into the page cache
-            with open(os.path.join(folder, f), "rb") as fh:
-                while fh.read(64 << 20):
-                    pass
-        times = []
-        with Loader() as loader:
-            for _ in range(repeat):
-                _sync(dev)
-                t = time.perf_counter()
-                m, _ = load_model_with_stats(folder, device=dev, loader=loader)
-                _sync(dev)
-                times.append(time.perf_counter() - t)
-                del m
-        res["page_cache_load_s"][name] = statistics.median(times)
-        hits = []
-        with PinnedPool(int(res["bytes"][name] * 1.1) + (64 << 20)) as pool, Loader() as loader:
-            load_model_with_stats(folder, device=dev, loader=loader, pool=pool)  # fills the pool
-            for _ in range(repeat):
-                _sync(dev)
-                t = time.perf_counter()
-                m, _ = load_model_with_stats(folder, device=dev, loader=loader, pool=pool)
-                _sync(dev)
-                hits.append(time.perf_counter() - t)
-                del m
-        res["memory_hit_s"][name] = statistics.median(hits)
-        res["switch_hit_s"][name] = _switch_hits(folder, dev, repeat, res["bytes"][name])
-        log(
-            f"{name}: page-cache load {res['page_cache_load_s'][name]:.3f} s, memory hit "
-            f"{res['memory_hit_s'][name]:.3f} s (load_model), {res['switch_hit_s'][name]:.3f} s "
-            "(into resident memory)"
-        )
-    for key in ("page_cache_load_s", "memory_hit_s", "switch_hit_s"):
-        res[key]["ratio"] = res[key]["fp8"] / res[key]["bf16"]
-
-    # Forwards on the same inputs.
-    models = {
-        "bf16": nostall.load_model(src, device=dev, dtype=torch.bfloat16).eval(),
-        "fp8": nostall.load_model(dst, device=dev, dtype=torch.bfloat16).eval(),
-    }
-    inputs = _inputs(models["bf16"], size, dev)
-    fwd: dict = {}
-    outs: dict = {}
-    for name, model in models.items():
-        _time_forward(lambda m=model: m(**inputs)[0], dev, 2)  # warm-up
-        times, out = _time_forward(lambda m=model: m(**inputs)[0], dev, repeat)
-        fwd[f"{name}_eager_s"] = statistics.median(times)
-        outs[f"{name}_eager"] = out
-        log(f"{name} eager forward {fwd[f'{name}_eager_s'] * 1e3:.1f} ms")
-    if compile:
-        torch._dynamo.reset()
-        for name, model in models.items():
-            compiled = torch.compile(model)
-            t = time.perf_counter()
-            _time_forward(lambda m=compiled: m(**inputs)[0], dev, 2)  # compiles
-            fwd[f"{name}_compile_s"] = time.perf_counter() - t
-            times, out = _time_forward(lambda m=compiled: m(**inputs)[0], dev, repeat)
-            fwd[f"{name}_compiled_s"] = statistics.median(times)
-            outs[f"{name}_compiled"] = out
-            log(
-                f"{name} compiled forward {fwd[f'{name}_compiled_s'] * 1e3:.1f} ms "
-                f"(compile {fwd[f'{name}_compile_s']:.1f} s)"
-            )
-    fwd["fp8_vs_bf16_eager"] = fwd["bf16_eager_s"] / fwd["fp8_eager_s"]
-    if compile:
-        fwd["fp8_compiled_vs_bf16_compiled"] = fwd["bf16_compiled_s"] / fwd["fp8_compiled_s"]
-        fwd["fp8_compiled_vs_bf16_eager"] = fwd["bf16_eager_s"] / fwd["fp8_compiled_s"]
-    res["forward"] = fwd
-    res["sqnr_db"] = {"eager": sqnr_db(outs["bf16_eager"], outs["fp8_eager"])}
-    if compile:
-        res["sqnr_db"]["compiled"] = sqnr_db(outs["bf16_compiled"], outs["fp8_compiled"])
-    log(f"output SQNR vs bf16: {res['sqnr_db']}")
+    bench = _Fp8Bench(size, dev, repeat, log, src, dst, store, fp8_root)
+    for part in parts:
+        log(f"== {part}")
+        t = time.perf_counter()
+        try:
+            if part == "compile":
+                left = None if compile_budget_s is None else compile_budget_s - (t - t0)
+                res[part] = bench.compile(left)
+            else:
+                res[part] = getattr(bench, part)()
+        except Exception as e:  # reported; the other parts still run
+            res[part] = {"error": f"{type(e).__name__}: {e}"}
+            log(f"  {part} failed: {type(e).__name__}: {e}")
+        res[part]["part_s"] = time.perf_counter() - t
+        bench.free()
     report["targets"] = evaluate_targets(report)
     return report
 
 
+class _Fp8Bench:
+    def __init__(self, size, dev, repeat, log, src, dst, store, fp8_root):
+        self.size, self.dev, self.repeat, self.log = size, dev, repeat, log
+        self.src, self.dst, self.store, self.fp8_root = src, dst, store, fp8_root
+
+    def free(self) -> None:
+        import gc
+
+        gc.collect()
+        if self.dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---- loads -----------------------------------------------------------------------
+
+    def loads(self) -> dict:
+        from nostall.api import load_model_with_stats
+        from nostall.memory.pool import PinnedPool
+        from nostall.transfer.loader import Loader
+
+        dev, repeat = self.dev, self.repeat
+        out: dict = {"page_cache_load_s": {}, "memory_hit_s": {}, "switch_hit_s": {}}
+        for name, folder in (("bf16", self.src), ("fp8", self.dst)):
+            nbytes = _folder_bytes(folder)
+            for f in os.listdir(folder):  # into the page cache
+                with open(os.path.join(folder, f), "rb") as fh:
+                    while fh.read(64 << 20):
+                        pass
+            times = []
+            with Loader() as loader:
+                for _ in range(repeat):
+                    _sync(dev)
+                    t = time.perf_counter()
+                    m, _ = load_model_with_stats(folder, device=dev, loader=loader)
+                    _sync(dev)
+                    times.append(time.perf_counter() - t)
+                    del m
+            out["page_cache_load_s"][name] = statistics.median(times)
+            hits = []
+            with PinnedPool(int(nbytes * 1.1) + (64 << 20)) as pool, Loader() as loader:
+                load_model_with_stats(folder, device=dev, loader=loader, pool=pool)  # fills it
+                for _ in range(repeat):
+                    _sync(dev)
+                    t = time.perf_counter()
+                    m, _ = load_model_with_stats(folder, device=dev, loader=loader, pool=pool)
+                    _sync(dev)
+                    hits.append(time.perf_counter() - t)
+                    del m
+            out["memory_hit_s"][name] = statistics.median(hits)
+            out["switch_hit_s"][name] = _switch_hits(folder, dev, repeat, nbytes)
+            self.log(
+                f"  {name}: page-cache load {out['page_cache_load_s'][name]:.3f} s, memory hit "
+                f"{out['memory_hit_s'][name]:.3f} s (load_model), "
+                f"{out['switch_hit_s'][name]:.3f} s (into resident memory)"
+            )
+        for key in ("page_cache_load_s", "memory_hit_s", "switch_hit_s"):
+            out[key]["ratio"] = out[key]["fp8"] / out[key]["bf16"]
+        return out
+
+    # ---- forwards --------------------------------------------------------------------
+
+    def _models(self):
+        import nostall
+
+        bf16 = nostall.load_model(self.src, device=self.dev, dtype=torch.bfloat16).eval()
+        fp8 = nostall.load_model(self.dst, device=self.dev, dtype=torch.bfloat16).eval()
+        return bf16, fp8, _inputs(bf16, self.size, self.dev)
+
+    def _time(self, model, inputs) -> tuple[float, torch.Tensor]:
+        _time_forward(lambda: model(**inputs)[0], self.dev, 2)  # warm-up
+        times, out = _time_forward(lambda: model(**inputs)[0], self.dev, self.repeat)
+        return statistics.median(times), out
+
+    def forward(self) -> dict:
+        bf16, fp8, inputs = self._models()
+        out: dict = {}
+        out["bf16_eager_s"], ref = self._time(bf16, inputs)
+        out["fp8_eager_s"], got = self._time(fp8, inputs)
+        out["fp8_vs_bf16_eager"] = out["fp8_eager_s"] / out["bf16_eager_s"]
+        out["sqnr_db"] = sqnr_db(ref, got)
+        converted = {n for n, m in fp8.named_modules() if hasattr(m, "_fp8_tensor_cores")}
+        out["fp8_layers"] = len(converted)
+        out["fp8_layers_on_tensor_cores"] = sum(
+            bool(m._fp8_tensor_cores) for m in fp8.modules() if hasattr(m, "_fp8_tensor_cores")
+        )
+        self.log(
+            f"  eager forward: bf16 {out['bf16_eager_s'] * 1e3:.1f} ms, fp8 "
+            f"{out['fp8_eager_s'] * 1e3:.1f} ms ({out['fp8_vs_bf16_eager']:.3f}x the time), "
+            f"SQNR vs bf16 {out['sqnr_db']:.2f} dB"
+        )
+        del fp8
+        self.free()
+        out["torchao"] = self._torchao(bf16, converted, inputs, ref)
+        if "sqnr_db" in out["torchao"]:
+            out["sqnr_gap_to_torchao_db"] = out["torchao"]["sqnr_db"] - out["sqnr_db"]
+        return out
+
+    def _torchao(self, bf16, converted: set[str], inputs, ref) -> dict:
+        import copy
+
+        try:
+            from torchao.quantization import (
+                Float8DynamicActivationFloat8WeightConfig,
+                PerRow,
+                quantize_,
+            )
+
+            model = copy.deepcopy(bf16)
+            quantize_(
+                model,
+                Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+                filter_fn=lambda mod, fqn: fqn in converted,
+            )
+            t, got = self._time(model, inputs)
+        except Exception as e:  # the peer failing is a finding, reported beside ours
+            return {"error": f"{type(e).__name__}: {e}"[:500]}
+        out = {"eager_s": t, "sqnr_db": sqnr_db(ref, got)}
+        self.log(f"  torchao per-row: eager {t * 1e3:.1f} ms, SQNR vs bf16 {out['sqnr_db']:.2f} dB")
+        return out
+
+    def compile(self, budget_s: float | None) -> dict:
+        """``compile_repeated_blocks`` (what diffusers recommends: one graph per block
+        type), bf16 then FP8, each in a fresh process (as a worker compiles at boot, and
+        so one compile's state never slows the other), while ``budget_s`` lasts."""
+        import subprocess
+        import sys
+
+        out: dict = {}
+        t0 = time.perf_counter()
+        work = tempfile.mkdtemp(prefix="nostall-compile-")
+        for name, folder in (("bf16", self.src), ("fp8", self.dst)):
+            left = None if budget_s is None else budget_s - (time.perf_counter() - t0)
+            # The FP8 compile takes about as long as bf16's: start it only if that fits.
+            if left is not None and left < 1.1 * out.get("bf16_compile_s", 0.0) + 20:
+                out[f"{name}_skipped"] = f"compile budget spent ({left:.0f} s left)"
+                self.log(f"  {name}: compile skipped, {left:.0f} s of the budget left")
+                continue
+            saved = os.path.join(work, f"{name}.pt")
+            cmd = [sys.executable, "-m", "nostall.bench.fp8", "compile", "--folder", folder,
+                   "--size", self.size, "--device", str(self.dev), "--repeat",
+                   str(self.repeat), "--save", saved]  # fmt: skip
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=left, check=False)
+            except subprocess.TimeoutExpired:
+                out[f"{name}_skipped"] = f"compile did not end within the budget ({left:.0f} s)"
+                self.log(f"  {name}: {out[f'{name}_skipped']}")
+                continue
+            if r.returncode != 0:
+                raise RuntimeError(f"{name} compile child failed: {r.stderr[-1500:]}")
+            got = json.loads(r.stdout.strip().splitlines()[-1])
+            out[f"{name}_compile_s"] = got["compile_s"]
+            out[f"{name}_compiled_s"] = got["compiled_s"]
+            self.log(
+                f"  {name} compiled forward {got['compiled_s'] * 1e3:.1f} ms "
+                f"(compile {got['compile_s']:.1f} s, in a fresh process)"
+            )
+        if "fp8_compiled_s" in out and "bf16_compiled_s" in out:
+            out["fp8_compiled_speedup"] = out["bf16_compiled_s"] / out["fp8_compiled_s"]
+            a = torch.load(os.path.join(work, "bf16.pt"))
+            b = torch.load(os.path.join(work, "fp8.pt"))
+            out["sqnr_db"] = sqnr_db(a, b)
+        return out
+
+    # ---- through the model cache -----------------------------------------------------
+
+    def _cache(self, root: str):
+        import nostall
+
+        flux = _pipeline_bytes(root)
+        return nostall.ModelCache(
+            root,
+            device=self.dev,
+            dtype=torch.bfloat16,
+            gpu_budget=int(flux * 1.3) + (1 << 30),
+            host_budget=int(flux * 1.15) + (1 << 30),
+            cache_dir=os.path.join(self.store, ".digests"),
+        )
+
+    def cache(self) -> dict:
+        import nostall
+
+        with self._cache(self.fp8_root) as cache, cache.use("flux8") as pipe:
+            inputs = _inputs(pipe.transformer, self.size, self.dev)
+            with torch.inference_mode():
+                served = pipe.transformer(**inputs)[0]
+            loaded = nostall.load_model(self.dst, device=self.dev, dtype=torch.bfloat16).eval()
+            with torch.inference_mode():
+                built = loaded(**inputs)[0]
+        equal = bool(torch.equal(served, built))
+        self.log(f"  the cache's FP8 transformer vs load_model's: bit-equal {equal}")
+        return {"equal": int(equal), "max_abs_diff": float((served - built).abs().max())}
+
+    def e2e(self) -> dict:
+        steps, res = (28, 1024) if self.size == "full" else (2, 32)
+        out: dict = {"steps": steps, "resolution": res}
+        for name, root, pipeline in (
+            ("bf16", self.store, "flux"),
+            ("fp8", self.fp8_root, "flux8"),
+        ):
+            runs = []
+            with self._cache(root) as cache:
+                cache.prepare(pipeline)
+                cache.pipeline(pipeline)  # read once: the host tier holds it now
+                for _ in range(2):
+                    cache.evict("gpu")
+                    self.free()
+                    _sync(self.dev)
+                    t = time.perf_counter()
+                    with cache.use(pipeline) as pipe:
+                        switch = cache.last_report
+                        pipe.set_progress_bar_config(disable=True)
+                        g = torch.Generator(device=self.dev.type).manual_seed(0)
+                        with torch.inference_mode():
+                            pipe(
+                                prompt="a lighthouse at dusk, oil painting",
+                                height=res,
+                                width=res,
+                                num_inference_steps=steps,
+                                guidance_scale=3.5,
+                                generator=g,
+                                output_type="np",
+                            )
+                        _sync(self.dev)
+                    runs.append(
+                        {
+                            "total_s": time.perf_counter() - t,
+                            "switch_s": switch.total_s,
+                            "moved_gb": switch.moved_bytes / 1e9,
+                            "tiers": sorted({c.tier for c in switch.components}),
+                        }
+                    )
+            best = min(runs, key=lambda r: r["total_s"])
+            out[name] = {"runs": runs, "total_s": best["total_s"]}
+            self.log(
+                f"  {name}: end to end {best['total_s']:.3f} s (switch {best['switch_s']:.3f} s, "
+                f"{best['moved_gb']:.2f} GB from {best['tiers']})"
+            )
+        out["fp8_speedup"] = out["bf16"]["total_s"] / out["fp8"]["total_s"]
+        return out
+
+
+def _pipeline_bytes(root: str) -> int:
+    from nostall.cache import Store
+
+    s = Store(root, cache_dir=False)
+    return max(s.entry(n).nbytes for n in s.names())
+
+
 def evaluate_targets(report: dict) -> dict[str, dict]:
-    """Issue #10's targets, each ``{"value", "threshold", "op", "met"}`` (``met`` is
-    ``None`` where the figure was not measured)."""
+    """The identity + FP8 issue's targets, each ``{"value", "threshold", "op", "met"}``
+    (``met`` is ``None`` where the figure was not measured)."""
     res = report["results"]
+    loads = res.get("loads", {})
     fwd = res.get("forward", {})
+    comp = res.get("compile", {})
     t: dict[str, dict] = {}
 
     def target(name: str, value, op: str, threshold: float) -> None:
@@ -309,13 +524,55 @@ def evaluate_targets(report: dict) -> dict[str, dict]:
 
     target("bytes_fp8_vs_bf16", res.get("bytes", {}).get("ratio"), "<=", 0.52)
     # a switch in the model cache's sense: bytes from the host tier into resident memory
-    target("memory_hit_switch_fp8_s", res.get("switch_hit_s", {}).get("fp8"), "<=", 0.25)
-    target("page_cache_load_fp8_vs_bf16", res.get("page_cache_load_s", {}).get("ratio"), "<=", 0.55)
-    target("forward_fp8_compiled_vs_bf16_compiled", fwd.get("fp8_compiled_vs_bf16_compiled"),
-           ">=", 1.3)  # fmt: skip
-    # the fastest FP8 forward (compiled where it ran) against eager bf16
-    best = fwd.get("fp8_compiled_vs_bf16_eager", fwd.get("fp8_vs_bf16_eager"))
-    target("forward_fp8_vs_bf16_eager", best, ">=", 1.8)
-    sq = res.get("sqnr_db", {})
-    target("output_sqnr_db", min(sq.values()) if sq else None, ">=", 20.0)
+    target("memory_hit_switch_fp8_s", loads.get("switch_hit_s", {}).get("fp8"), "<=", 0.25)
+    target(
+        "page_cache_load_fp8_vs_bf16", loads.get("page_cache_load_s", {}).get("ratio"), "<=", 0.55
+    )
+    target("forward_fp8_eager_vs_bf16_eager", fwd.get("fp8_vs_bf16_eager"), "<=", 0.9)
+    target("forward_fp8_compiled_speedup", comp.get("fp8_compiled_speedup"), ">=", 1.3)
+    target("sqnr_gap_to_torchao_db", fwd.get("sqnr_gap_to_torchao_db"), "<=", 0.5)
+    target("cache_fp8_equals_load_model", res.get("cache", {}).get("equal"), ">=", 1)
+    target("e2e_fp8_speedup", res.get("e2e", {}).get("fp8_speedup"), ">=", 1.2)
     return t
+
+
+def _compile_child(args) -> None:
+    """One model, compiled the way a worker would, timed; its output saved for the SQNR."""
+    import nostall
+
+    dev = torch.device(args.device)
+    model = nostall.load_model(args.folder, device=dev, dtype=torch.bfloat16).eval()
+    inputs = _inputs(model, args.size, dev)
+    t = time.perf_counter()
+    if dev.type == "cuda":
+        model.compile_repeated_blocks(fullgraph=True)
+    else:  # CPU runs check the harness: compiling C++ would take minutes
+        model.compile_repeated_blocks(fullgraph=True, backend="eager")
+    _time_forward(lambda: model(**inputs)[0], dev, 2)  # compiles
+    compile_s = time.perf_counter() - t
+    times, got = _time_forward(lambda: model(**inputs)[0], dev, args.repeat)
+    torch.save(got.float().cpu(), args.save)
+    print(json.dumps({"compile_s": compile_s, "compiled_s": statistics.median(times)}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import logging
+
+    logging.getLogger("diffusers").setLevel(logging.ERROR)
+    parser = argparse.ArgumentParser(prog="python -m nostall.bench.fp8")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("compile")
+    c.add_argument("--folder", required=True)
+    c.add_argument("--size", default="full")
+    c.add_argument("--device", default="cuda")
+    c.add_argument("--repeat", type=int, default=5)
+    c.add_argument("--save", required=True)
+    _compile_child(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -944,21 +944,27 @@ def bench_serve(
 
 @bench_app.command("fp8")
 def bench_fp8(
-    size: str = typer.Option("full", help="full (FLUX.1-dev transformer, 23.8 GB) or tiny."),
+    size: str = typer.Option("full", help="full (FLUX.1-dev layout, 34 GB) or tiny."),
     device: str = typer.Option(None, help="cuda[:N] or cpu."),
     repeat: int = typer.Option(5, help="Timed runs per figure (medians)."),
-    compile: bool = typer.Option(True, "--compile/--no-compile", help="Also time torch.compile."),
-    work: str = typer.Option(
-        None, help="Folder for the bf16 and FP8 transformers (kept; reused when present)."
+    part: list[str] = typer.Option(  # noqa: B008
+        None, "--part", help="loads, forward, compile, cache, e2e (repeatable; default all)."
+    ),
+    compile_budget: float = typer.Option(
+        None, help="Seconds the whole run may spend before the compile part skips a compile."
+    ),
+    store: str = typer.Option(
+        None, help="FLUX store folder (written when absent, kept; its FP8 copy beside it)."
     ),
     out: str = typer.Option(
         f"{_BENCH_OUT}/fp8.json", help="JSON report path (recorded results: docs/bench/)."
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing report."),
 ) -> None:
-    """FP8 against bf16 on a FLUX-size transformer: bytes, page-cache load, memory hit,
-    one 1024x1024 denoising forward (eager and compiled), output SQNR."""
-    from nostall.bench.fp8 import run_fp8_bench
+    """FP8 against bf16 on FLUX, with torchao's FP8 as the peer: bytes, loads, one 1024x1024
+    forward (eager and compiled), the model cache against load_model, and 28 steps end to
+    end through the model cache."""
+    from nostall.bench.fp8 import PARTS, run_fp8_bench
     from nostall.bench.load import check_new_output, write_report
 
     with _option("--out"):
@@ -967,41 +973,83 @@ def bench_fp8(
         report = run_fp8_bench(
             size=size,
             device=device or _default_device(),
-            work=work,
+            store=store,
             repeat=repeat,
-            compile=compile,
+            parts=tuple(part or PARTS),
+            compile_budget_s=compile_budget,
             log=lambda m: console.print(m, highlight=False),
         )
     with _option("--out"):
         write_report(report, out, overwrite=overwrite)
+    console.print(fp8_table(report))
+    console.print(f"FP8 linear layers: {report['config']['fp8_compute'][1]}")
+    _print_targets(report["targets"])
+    console.print(f"report written to {out}")
+
+
+def fp8_table(report: dict) -> Table:
+    """The FP8 report's figures: bf16 against FP8 (and the torchao peer where it ran)."""
     res = report["results"]
     table = Table(title=f"FP8 vs bf16: {report['config']['model']}")
-    for col in ("figure", "bf16", "fp8", "fp8 / bf16"):
+    for col in ("figure", "bf16", "fp8", "fp8 / bf16", "torchao (peer)"):
         table.add_column(col, justify="left" if col == "figure" else "right")
     table.add_row(
-        "weights (GB)",
+        "transformer weights (GB)",
         f"{res['bytes']['bf16'] / 1e9:.3f}",
         f"{res['bytes']['fp8'] / 1e9:.3f}",
         f"{res['bytes']['ratio']:.3f}",
+        "",
     )
+    loads = res.get("loads", {})
     for key, label in (
         ("page_cache_load_s", "page-cache load (s)"),
-        ("memory_hit_s", "memory hit (s)"),
+        ("memory_hit_s", "memory hit, load_model (s)"),
+        ("switch_hit_s", "memory-hit switch (s)"),
     ):
-        r = res[key]
-        table.add_row(label, f"{r['bf16']:.3f}", f"{r['fp8']:.3f}", f"{r['ratio']:.3f}")
-    fwd = res["forward"]
-    for kind in ("eager", "compiled"):
-        if f"bf16_{kind}_s" in fwd:
-            a, b = fwd[f"bf16_{kind}_s"], fwd[f"fp8_{kind}_s"]
-            table.add_row(
-                f"forward, {kind} (ms)", f"{a * 1e3:.1f}", f"{b * 1e3:.1f}", f"{b / a:.3f}"
-            )
-    console.print(table)
-    console.print(f"FP8 linear layers: {report['config']['fp8_compute'][1]}")
-    console.print(f"output SQNR vs bf16: {res['sqnr_db']}")
-    _print_targets(report["targets"])
-    console.print(f"report written to {out}")
+        r = loads.get(key)
+        if r:
+            table.add_row(label, f"{r['bf16']:.3f}", f"{r['fp8']:.3f}", f"{r['ratio']:.3f}", "")
+    fwd = res.get("forward", {})
+    if "bf16_eager_s" in fwd:
+        ao = fwd.get("torchao", {})
+        table.add_row(
+            "forward, eager (ms)",
+            f"{fwd['bf16_eager_s'] * 1e3:.1f}",
+            f"{fwd['fp8_eager_s'] * 1e3:.1f}",
+            f"{fwd['fp8_vs_bf16_eager']:.3f}",
+            f"{ao['eager_s'] * 1e3:.1f}" if "eager_s" in ao else ao.get("error", "")[:40],
+        )
+        table.add_row(
+            "output SQNR vs bf16 (dB)",
+            "",
+            f"{fwd['sqnr_db']:.2f}",
+            "",
+            f"{ao['sqnr_db']:.2f}" if "sqnr_db" in ao else "",
+        )
+    comp = res.get("compile", {})
+    if "bf16_compiled_s" in comp:
+        fp8 = comp.get("fp8_compiled_s")
+        table.add_row(
+            "forward, compiled (ms)",
+            f"{comp['bf16_compiled_s'] * 1e3:.1f}",
+            f"{fp8 * 1e3:.1f}" if fp8 else comp.get("fp8_skipped", "—"),
+            f"{fp8 / comp['bf16_compiled_s']:.3f}" if fp8 else "",
+            "",
+        )
+    e2e = res.get("e2e", {})
+    if "fp8_speedup" in e2e:
+        table.add_row(
+            f"end to end, {e2e['steps']} steps at {e2e['resolution']}² (s)",
+            f"{e2e['bf16']['total_s']:.3f}",
+            f"{e2e['fp8']['total_s']:.3f}",
+            f"{1 / e2e['fp8_speedup']:.3f}",
+            "",
+        )
+    if "equal" in res.get("cache", {}):
+        table.add_row(
+            "model cache = load_model (FP8)", "", str(bool(res["cache"]["equal"])), "", ""
+        )
+    return table
 
 
 def _print_targets(targets: dict) -> None:
