@@ -32,8 +32,10 @@ def build_encoder(kind: str) -> nn.Module:
 
     torch.manual_seed(0)
     if kind in ("t5", "umt5"):
-        cfg = dict(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
-                   relative_attention_num_buckets=8, feed_forward_proj="gated-gelu")  # fmt: skip
+        # 32 buckets x 16 heads: T5's relative_attention_bias is a 2-D ".weight" whose
+        # sides are multiples of 16, as T5-XXL's (32 x 64), but an nn.Embedding
+        cfg = dict(vocab_size=128, d_model=64, d_kv=4, d_ff=128, num_layers=2, num_heads=16,
+                   relative_attention_num_buckets=32, feed_forward_proj="gated-gelu")  # fmt: skip
         if kind == "t5":
             return tf.T5EncoderModel(tf.T5Config(**cfg))
         return tf.UMT5EncoderModel(tf.UMT5Config(**cfg))
@@ -72,6 +74,8 @@ def test_each_encoder_runs_its_fp8_forward_on_the_cpu(encoders, tmp_path, kind):
     if kind in ("t5", "umt5"):
         # wo stays: T5 casts the feed-forward's activations to wo.weight's dtype
         assert report.kept_reasons["the model keeps it in full precision"] == 2
+        # the relative attention bias is an embedding (T5: layer 0 only; UMT5: every layer)
+        assert report.kept_reasons["not an nn.Linear weight"] >= 1
         assert all(m.weight.dtype == torch.float32 for n, m in fp8.named_modules()
                    if n.endswith(".wo"))  # fmt: skip
     out = _run(fp8)

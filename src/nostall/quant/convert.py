@@ -45,7 +45,7 @@ from nostall.quant.fp8 import (
     DEFAULT_SKIP,
     METADATA_KEY,
     SCALE_SUFFIX,
-    kept_modules,
+    model_rules,
     quantize_weight,
     scheme_metadata,
     skip_reason,
@@ -340,13 +340,14 @@ def _check_target(source: str, target: str, overwrite: bool) -> None:
         raise ArgumentError(f"the output's folder {parent!r} does not exist")
 
 
-def _kept(ckpt: Checkpoint) -> tuple[str, ...]:
-    """The layers the model keeps in full precision (T5's ``wo``): left unconverted, as
-    transformers' and diffusers' own low-precision paths leave them."""
-    return kept_modules(ckpt.folder) if ckpt.folder else ()
+def _kept(ckpt: Checkpoint) -> tuple[tuple[str, ...], frozenset[str] | None]:
+    """The layers the model keeps in full precision (T5's ``wo``: left unconverted, as
+    transformers' and diffusers' own low-precision paths leave them) and its linear
+    weights (the only tensors converted), when the model can be built."""
+    return model_rules(os.path.abspath(ckpt.folder)) if ckpt.folder else ((), None)
 
 
-def _check_convertible(ckpt: Checkpoint, patterns: tuple[str, ...], kept=()) -> int:
+def _check_convertible(ckpt: Checkpoint, patterns: tuple[str, ...], rules=((), None)) -> int:
     """How many tensors would be converted; CheckpointError for what cannot be."""
     floats = quantizable = 0
     for f in ckpt.files:
@@ -364,7 +365,7 @@ def _check_convertible(ckpt: Checkpoint, patterns: tuple[str, ...], kept=()) -> 
                 )
             if dtype is not None and dtype.is_floating_point:
                 floats += 1
-            if skip_reason(e.name, e.shape, dtype, patterns, kept) is None:
+            if skip_reason(e.name, e.shape, dtype, patterns, *rules) is None:
                 quantizable += 1
                 if e.name + SCALE_SUFFIX in names:
                     raise CheckpointError(
@@ -417,7 +418,9 @@ def _index_of(ckpt: Checkpoint) -> str:
     raise CheckpointError("sharded weights without an index file", path=ckpt.folder)
 
 
-def _convert_file(f: FileIndex, out_path: str, patterns, report, advance, kept=()) -> list[str]:
+def _convert_file(
+    f: FileIndex, out_path: str, patterns, report, advance, rules=((), None)
+) -> list[str]:
     from safetensors import safe_open
 
     plan = []
@@ -425,7 +428,7 @@ def _convert_file(f: FileIndex, out_path: str, patterns, report, advance, kept=(
     dtypes = []
     for e in f.tensors:
         dtype = to_torch(e.dtype)
-        why = skip_reason(e.name, e.shape, dtype, patterns, kept)
+        why = skip_reason(e.name, e.shape, dtype, patterns, *rules)
         plan.append((e, why is None))
         if why is None:
             entries.append((e.name, torch.float8_e4m3fn, e.shape))

@@ -14,9 +14,10 @@ shapes FP8 GEMMs cannot take. The file's ``__metadata__`` records the scheme und
 
 from __future__ import annotations
 
+import functools
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 
@@ -26,7 +27,7 @@ __all__ = [
     "METADATA_KEY",
     "SCALE_SUFFIX",
     "dequantize",
-    "kept_modules",
+    "model_rules",
     "quantize_weight",
     "skip_reason",
 ]
@@ -48,6 +49,7 @@ DEFAULT_SKIP: tuple[str, ...] = (
     r"^(time_text_embed|time_embedding|time_embed|timestep_embedder|condition_embedder)\.",
     r"^(add_embedding|text_embedder|guidance_embedder)\.",
     r"^(proj_out|norm_out|lm_head|final_layer|conv_in|conv_out|head)\.",
+    r"(^|\.)relative_attention_bias\.",  # T5's: an nn.Embedding (files without a config)
 )
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -59,15 +61,21 @@ def skip_reason(
     dtype: torch.dtype | None,
     patterns: Iterable[str],
     kept: Iterable[str] = (),
+    linears: Collection[str] | None = None,
 ) -> str | None:
     """Why ``name`` stays in its dtype (``None``: it is quantized). ``kept``: the
-    model's ``_keep_in_fp32_modules`` (module names, one dotted part each)."""
+    model's ``_keep_in_fp32_modules`` (module names, one dotted part each); ``linears``:
+    the ``nn.Linear`` weights of the model, when it could be built (see
+    :func:`model_rules`; else names and shapes decide)."""
     if dtype not in _FLOATS:
         return f"dtype {dtype}"
     if len(shape) != 2 or not name.endswith(".weight"):
         return "not a 2-D .weight"
     if shape[0] % 16 or shape[1] % 16:
         return f"shape {tuple(shape)} is not a multiple of 16"
+    if linears is not None and name not in linears:
+        # e.g. T5's relative_attention_bias: a 2-D .weight of an nn.Embedding
+        return "not an nn.Linear weight"
     parts = name.split(".")
     for m in kept:
         if m in parts:
@@ -79,17 +87,29 @@ def skip_reason(
     return None
 
 
-def kept_modules(folder: str) -> tuple[str, ...]:
-    """The ``_keep_in_fp32_modules`` of the model class a component folder's
-    ``config.json`` names (``()`` when there is none or it cannot be imported)."""
-    from nostall.assemble import resolve_model_class
+@functools.lru_cache(maxsize=32)
+def model_rules(folder: str) -> tuple[tuple[str, ...], frozenset[str] | None]:
+    """``(kept, linears)`` for a component folder, from the model its ``config.json``
+    names, built on ``meta`` (nothing allocated): its ``_keep_in_fp32_modules`` and the
+    names of its ``nn.Linear`` weights, the only tensors FP8 computes. ``((), None)`` when
+    there is no model to build (a lone file): then names and shapes decide."""
+    import torch.nn as nn
+
+    from nostall.assemble import build_empty, resolve_model_class
     from nostall.errors import NostallError
 
     try:
         cls = resolve_model_class(folder)
+        module = build_empty(cls, folder)
     except (NostallError, ImportError):
-        return ()
-    return tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
+        return (), None
+    kept = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
+    linears = frozenset(
+        f"{n}.weight" if n else "weight"
+        for n, m in module.named_modules()
+        if isinstance(m, nn.Linear)
+    )
+    return kept, linears
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
