@@ -15,7 +15,7 @@ for step in "$@"; do
   case $step in
     tests) python3 -m pytest -q -m cuda -rA tests 2>&1 | tail -n 60 | tee "$OUT/cuda-tests.txt" || rc=1 ;;
     alltests) python3 -m pytest -q -x tests 2>&1 | tail -n 40 | tee "$OUT/all-tests.txt" || rc=1 ;;
-    gen) python3 -c "from nostall.bench.checkpoints import make_checkpoint; print(make_checkpoint('bench-out/flux', device='cuda'))" || rc=1 ;;
+    gen) python3 -c "from nostall.synthetic import make_checkpoint; print(make_checkpoint('bench-out/flux', device='cuda'))" || rc=1 ;;
     tune) python3 scripts/tune_load.py bench-out/flux 2>&1 | tee "$OUT/tune.txt" || rc=1 ;;
     diag-decode) python3 scripts/diag_decode.py 2>&1 | tee "$OUT/diag-decode.txt" || rc=1 ;;
     diag) python3 scripts/diag_h2d.py 2>&1 | tee "$OUT/diag.txt" || rc=1 ;;

@@ -149,10 +149,10 @@ def whole(torchao_ok: bool, torchao_compile: bool) -> dict:
 
     import diffusers
 
-    from nostall.bench.fp8 import _inputs
     from nostall.quant.check import sqnr_db
     from nostall.quant.fp8 import DEFAULT_SKIP, quantize_weight, skip_reason
     from nostall.quant.modules import install_fp8
+    from nostall.synthetic import step_inputs
 
     out: dict = {}
     t = time.perf_counter()
@@ -184,7 +184,7 @@ def whole(torchao_ok: bool, torchao_compile: bool) -> dict:
                 scales[fqn + ".weight"] = s
     install_fp8(ours, scales)
     out["converted_layers"] = len(scales)
-    inputs = _inputs(ref, "full", DEV)
+    inputs = step_inputs(ref, "full", DEV)
 
     def fwd(m):
         def f():

@@ -181,8 +181,8 @@ def run_switch_demo(*, device: str, folder: str | None = None) -> tuple[list, bo
     import numpy as np
     from diffusers import DiffusionPipeline
 
-    from nostall.bench.stores import write_store
     from nostall.cache import ModelCache
+    from nostall.synthetic import write_store
 
     logging.getLogger("diffusers").setLevel(logging.ERROR)
     dev = torch.device(device)
@@ -219,9 +219,9 @@ def run_fp8_demo(*, device: str) -> dict:
     :func:`nostall.load_model`, run one forward on the same inputs: bytes, the compute path
     the FP8 layers took, and the output's SQNR against bf16."""
     import nostall
-    from nostall.bench.fp8 import _folder_bytes, _inputs, write_transformer
     from nostall.quant.check import sqnr_db
     from nostall.quant.modules import fp8_compute
+    from nostall.synthetic import safetensors_bytes, step_inputs, write_transformer
 
     dev = torch.device(device)
     with tempfile.TemporaryDirectory() as tmp:
@@ -230,12 +230,12 @@ def run_fp8_demo(*, device: str) -> dict:
         report = nostall.quantize(src, dst)
         ref = nostall.load_model(src, device=dev).eval()
         fp8 = nostall.load_model(dst, device=dev).eval()
-        inputs = _inputs(ref, "tiny", dev)
+        inputs = step_inputs(ref, "tiny", dev)
         with torch.inference_mode():
             a, b = ref(**inputs)[0], fp8(**inputs)[0]
         return {
             "quantized": report.quantized,
-            "bytes": (_folder_bytes(src), _folder_bytes(dst)),
+            "bytes": (safetensors_bytes(src), safetensors_bytes(dst)),
             "compute": fp8_compute(dev),
             "sqnr_db": sqnr_db(a, b),
         }
@@ -261,11 +261,11 @@ def run_serve_demo(*, device: str) -> tuple[list[dict], bool]:
     from diffusers import DiffusionPipeline
     from PIL import Image
 
-    from nostall.bench.stores import write_store
     from nostall.serve.app import create_app
     from nostall.serve.embed import EmbeddingService, create_embed_app
     from nostall.serve.local import BackgroundServer
     from nostall.serve.worker import Worker
+    from nostall.synthetic import write_store
 
     logging.getLogger("diffusers").setLevel(logging.ERROR)
     diffusers.utils.logging.disable_progress_bar()

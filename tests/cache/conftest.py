@@ -10,7 +10,7 @@ pytest.importorskip("diffusers")
 @pytest.fixture(scope="session")
 def store(tmp_path_factory):
     """Tiny random FLUX, FLUX-b (same architecture, other transformer), SDXL, SD3, Wan."""
-    from nostall.bench.stores import write_store
+    from nostall.synthetic import write_store
 
     logging.getLogger("diffusers").setLevel(logging.ERROR)
     folder = tmp_path_factory.mktemp("store")

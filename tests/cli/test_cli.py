@@ -41,7 +41,7 @@ def test_load_prints_phases(ckpt_file):
 
 
 def test_load_model_from_folder(tmp_path):
-    from nostall.bench.checkpoints import make_checkpoint
+    from nostall.synthetic import make_checkpoint
 
     make_checkpoint(str(tmp_path), preset="tiny")
     result = runner.invoke(app, ["load", str(tmp_path), "--device", "cpu", "--model"])
@@ -387,7 +387,7 @@ def test_quantize_command_converts_and_refuses_bad_input(tmp_path):
 
 
 def test_quantize_check_prints_sqnr_per_component(tmp_path):
-    from nostall.bench.stores import write_store
+    from nostall.synthetic import write_store
 
     flux = write_store(tmp_path / "store", ("flux",))["flux"]
     result = runner.invoke(app, ["quantize", flux, str(tmp_path / "fp8"), "--check"])
@@ -397,7 +397,7 @@ def test_quantize_check_prints_sqnr_per_component(tmp_path):
 
 
 def test_index_hashes_a_store_once_and_says_what_is_shared(tmp_path):
-    from nostall.bench.stores import write_store
+    from nostall.synthetic import write_store
     from nostall.cache import Store
 
     write_store(tmp_path / "s", ("flux", "flux-b"))

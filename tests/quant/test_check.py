@@ -14,7 +14,7 @@ from nostall.quant.check import check, sqnr_db
 
 @pytest.fixture(scope="module")
 def flux(tmp_path_factory):
-    from nostall.bench.stores import write_store
+    from nostall.synthetic import write_store
 
     return write_store(tmp_path_factory.mktemp("store"), ("flux",))["flux"]
 

@@ -157,7 +157,7 @@ def test_sharded_checkpoints_keep_their_shards_and_index(tmp_path):
 
 
 def test_a_pipeline_folder_converts_every_component(tmp_path):
-    from nostall.bench.stores import write_store
+    from nostall.synthetic import write_store
 
     store = write_store(tmp_path / "store", ("flux",))
     dst = tmp_path / "flux-fp8"
@@ -453,7 +453,7 @@ def test_sigterm_is_handled_only_during_the_write_and_restored(src_file, tmp_pat
 def test_a_pipelines_vae_is_copied_as_it_is(tmp_path):
     import filecmp
 
-    from nostall.bench.stores import write_store
+    from nostall.synthetic import write_store
 
     flux = write_store(tmp_path / "s", ("flux",))["flux"]
     report = nostall.quantize(flux, tmp_path / "flux8")

@@ -29,7 +29,7 @@ def _fits_tensor_cores():
 
 @pytest.fixture(scope="module")
 def flux_store(tmp_path_factory):
-    from nostall.bench.stores import write_store
+    from nostall.synthetic import write_store
 
     root = tmp_path_factory.mktemp("fp8")
     flux = write_store(root, ("flux",))["flux"]
@@ -41,7 +41,7 @@ def flux_store(tmp_path_factory):
 
 def test_fp8_transformer_runs_on_tensor_cores_close_to_bf16(tmp_path):
     _fits_tensor_cores()
-    from nostall.bench.fp8 import _inputs, write_transformer
+    from nostall.synthetic import step_inputs, write_transformer
     from nostall.quant.check import sqnr_db
 
     src = write_transformer(str(tmp_path / "bf16"), "tiny", torch.device("cuda"))
@@ -50,7 +50,7 @@ def test_fp8_transformer_runs_on_tensor_cores_close_to_bf16(tmp_path):
     fp8 = nostall.load_model(tmp_path / "fp8", device="cuda").eval()
     cores = [m for m in fp8.modules() if getattr(m, "_fp8_tensor_cores", False)]
     assert len(cores) > 10 and all(m.weight.dtype == torch.float8_e4m3fn for m in cores)
-    inputs = _inputs(ref, "tiny", torch.device("cuda"))
+    inputs = step_inputs(ref, "tiny", torch.device("cuda"))
     with torch.inference_mode():
         a, b = ref(**inputs)[0], fp8(**inputs)[0]
     assert b.dtype == torch.bfloat16 and b.isfinite().all()

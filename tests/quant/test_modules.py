@@ -21,7 +21,7 @@ from nostall.quant.check import sqnr_db
 
 @pytest.fixture(scope="module")
 def encoders(tmp_path_factory):
-    from nostall.bench.stores import write_store
+    from nostall.synthetic import write_store
 
     root = tmp_path_factory.mktemp("store")
     flux = write_store(root, ("flux",))["flux"]

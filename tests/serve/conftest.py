@@ -11,7 +11,7 @@ pytest.importorskip("uvicorn")
 @pytest.fixture(scope="package")
 def store(tmp_path_factory):
     """Tiny random FLUX, SDXL, SD3 and Wan pipelines."""
-    from nostall.bench.stores import write_store
+    from nostall.synthetic import write_store
 
     logging.getLogger("diffusers").setLevel(logging.ERROR)
     folder = tmp_path_factory.mktemp("serve-store")

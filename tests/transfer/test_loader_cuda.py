@@ -194,7 +194,7 @@ def test_read_error_on_gpu_load_leaves_loader_usable(big_file, pool, monkeypatch
 
 def test_load_model_on_gpu_matches_from_pretrained(tmp_path):
     diffusers = pytest.importorskip("diffusers")
-    from nostall.bench.checkpoints import make_checkpoint
+    from nostall.synthetic import make_checkpoint
 
     folder = str(tmp_path / "flux")
     make_checkpoint(folder, preset="tiny")

@@ -40,6 +40,7 @@ import torch
 
 from nostall.bench.load import _commit, _hardware
 from nostall.quant.check import sqnr_db
+from nostall.synthetic.transformer import safetensors_bytes, step_inputs
 
 __all__ = ["PARTS", "evaluate_targets", "fp8_store", "run_fp8_bench"]
 
@@ -50,84 +51,6 @@ PARTS = ("loads", "forward", "cache", "e2e", "compile")  # compile last: the bud
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-
-
-def _folder_bytes(folder: str) -> int:
-    return sum(
-        os.path.getsize(os.path.join(folder, f))
-        for f in os.listdir(folder)
-        if f.endswith(".safetensors")
-    )
-
-
-def _transformer(size: str):
-    import diffusers
-
-    if size == "full":
-        with torch.device("meta"):
-            return diffusers.FluxTransformer2DModel(guidance_embeds=True)
-    return diffusers.FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=64,
-        num_layers=2,
-        num_single_layers=4,
-        attention_head_dim=32,
-        num_attention_heads=4,
-        joint_attention_dim=128,
-        pooled_projection_dim=64,
-        axes_dims_rope=(8, 12, 12),
-        guidance_embeds=True,
-    )
-
-
-def write_transformer(folder: str, size: str, device: torch.device, progress=None) -> str:
-    """A random FLUX transformer folder (config + bf16 safetensors) at ``folder``."""
-    from nostall.bench.fullstores import _write_weights
-
-    module = _transformer(size)
-    os.makedirs(folder, exist_ok=True)
-    module.save_config(folder)
-    gen_device = device if device.type == "cuda" else torch.device("cpu")
-    _write_weights(
-        module,
-        folder,
-        "diffusion_pytorch_model",
-        torch.bfloat16,
-        gen_device,
-        1,
-        progress,
-        "transformer",
-    )
-    return folder
-
-
-def _inputs(module, size: str, dev: torch.device, seed: int = 0) -> dict:
-    """One denoising step's inputs: 1024x1024 (64x64 latent patches = 4096 tokens), 512
-    text tokens (``tiny``: 256 and 32)."""
-    cfg = module.config
-    tokens, text = (4096, 512) if size == "full" else (256, 32)
-    side = int(tokens**0.5)
-    g = torch.Generator(device=dev).manual_seed(seed)
-    bf16 = torch.bfloat16
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=g, device=dev, dtype=torch.float32).to(bf16)
-
-    img_ids = torch.zeros(side, side, 3, device=dev)
-    img_ids[..., 1] = torch.arange(side, device=dev)[:, None]
-    img_ids[..., 2] = torch.arange(side, device=dev)[None, :]
-    inputs = {
-        "hidden_states": randn(1, tokens, cfg.in_channels),
-        "encoder_hidden_states": randn(1, text, cfg.joint_attention_dim),
-        "pooled_projections": randn(1, cfg.pooled_projection_dim),
-        "timestep": torch.full((1,), 0.5, device=dev, dtype=bf16),
-        "img_ids": img_ids.reshape(-1, 3).to(bf16),
-        "txt_ids": torch.zeros(text, 3, device=dev, dtype=bf16),
-        "return_dict": False,
-    }
-    if cfg.guidance_embeds:  # FLUX.1-dev's distilled guidance
-        inputs["guidance"] = torch.full((1,), 3.5, device=dev, dtype=bf16)
-    return inputs
 
 
 def _time_forward(fn: Callable, dev: torch.device, repeat: int) -> tuple[list[float], object]:
@@ -199,9 +122,9 @@ def run_fp8_bench(
     log: Callable[[str], None] = print,
 ) -> dict:
     """Run the benchmark; return the JSON-able report (see the module docstring)."""
-    from nostall.bench.stores import write_store
     from nostall.errors import ArgumentError
     from nostall.quant.modules import fp8_compute
+    from nostall.synthetic import write_store
 
     if size not in SIZES:
         raise ArgumentError(f"size={size!r}; choose one of {', '.join(SIZES)}")
@@ -240,7 +163,7 @@ def run_fp8_bench(
         "results": {"stores_s": time.perf_counter() - t},
     }
     res = report["results"]
-    res["bytes"] = {"bf16": _folder_bytes(src), "fp8": _folder_bytes(dst)}
+    res["bytes"] = {"bf16": safetensors_bytes(src), "fp8": safetensors_bytes(dst)}
     res["bytes"]["ratio"] = res["bytes"]["fp8"] / res["bytes"]["bf16"]
     log(f"bytes: bf16 {res['bytes']['bf16'] / 1e9:.2f} GB, fp8 {res['bytes']['fp8'] / 1e9:.2f} GB")
     bench = _Fp8Bench(size, dev, repeat, log, src, dst, store, fp8_root)
@@ -284,7 +207,7 @@ class _Fp8Bench:
         dev, repeat = self.dev, self.repeat
         out: dict = {"page_cache_load_s": {}, "memory_hit_s": {}, "switch_hit_s": {}}
         for name, folder in (("bf16", self.src), ("fp8", self.dst)):
-            nbytes = _folder_bytes(folder)
+            nbytes = safetensors_bytes(folder)
             for f in os.listdir(folder):  # into the page cache
                 with open(os.path.join(folder, f), "rb") as fh:
                     while fh.read(64 << 20):
@@ -327,7 +250,7 @@ class _Fp8Bench:
 
         bf16 = nostall.load_model(self.src, device=self.dev, dtype=torch.bfloat16).eval()
         fp8 = nostall.load_model(self.dst, device=self.dev, dtype=torch.bfloat16).eval()
-        return bf16, fp8, _inputs(bf16, self.size, self.dev)
+        return bf16, fp8, step_inputs(bf16, self.size, self.dev)
 
     def _time(self, model, inputs) -> tuple[float, torch.Tensor]:
         _time_forward(lambda: model(**inputs)[0], self.dev, 2)  # warm-up
@@ -443,7 +366,7 @@ class _Fp8Bench:
         import nostall
 
         with self._cache(self.fp8_root) as cache, cache.use("flux8") as pipe:
-            inputs = _inputs(pipe.transformer, self.size, self.dev)
+            inputs = step_inputs(pipe.transformer, self.size, self.dev)
             with torch.inference_mode():
                 served = pipe.transformer(**inputs)[0]
             loaded = nostall.load_model(self.dst, device=self.dev, dtype=torch.bfloat16).eval()
@@ -542,7 +465,7 @@ def _compile_child(args) -> None:
 
     dev = torch.device(args.device)
     model = nostall.load_model(args.folder, device=dev, dtype=torch.bfloat16).eval()
-    inputs = _inputs(model, args.size, dev)
+    inputs = step_inputs(model, args.size, dev)
     t = time.perf_counter()
     if dev.type == "cuda":
         model.compile_repeated_blocks(fullgraph=True)

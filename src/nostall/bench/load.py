@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from nostall.bench.checkpoints import make_checkpoint
 from nostall.bench.peers import PEERS, Method, missing_requirement
 from nostall.errors import ArgumentError
 from nostall.memory.pool import PinnedPool
+from nostall.synthetic import make_checkpoint
 from nostall.transfer.loader import Loader, resolve_device
 
 __all__ = ["Record", "run_load_bench"]
@@ -146,7 +146,7 @@ def expected_bytes(preset: str) -> int:
     """The checkpoint's size before it is written (to size the pool at start-up)."""
     from diffusers import FluxTransformer2DModel
 
-    from nostall.bench.checkpoints import PRESETS
+    from nostall.synthetic import PRESETS
 
     with torch.device("meta"):
         model = FluxTransformer2DModel(**PRESETS[preset])

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nostall.bench.checkpoints import WEIGHTS
+from nostall.synthetic.checkpoints import WEIGHTS
 
 __all__ = ["PEERS", "Method", "missing_requirement"]
 

@@ -244,8 +244,8 @@ def write_t5_store(folder: str, device: str, progress=None) -> str:
 
     import torch
 
-    from nostall.bench.fullstores import _t5_xxl, _write_weights
-    from nostall.bench.stores import _t5_tokenizer
+    from nostall.synthetic.full import t5_xxl, write_weights
+    from nostall.synthetic.tokenizers import t5_tokenizer
 
     root = os.path.join(folder, "t5xxl")
     sub = os.path.join(root, "text_encoder_2")
@@ -253,13 +253,13 @@ def write_t5_store(folder: str, device: str, progress=None) -> str:
         return folder
     os.makedirs(sub, exist_ok=True)
     with torch.device("meta"):
-        module = _t5_xxl()
+        module = t5_xxl()
     module.config.torch_dtype = torch.bfloat16
     module.config.architectures = ["T5EncoderModel"]
     module.config.save_pretrained(sub)
     gen = device if torch.device(device).type == "cuda" else "cpu"
-    _write_weights(module, sub, "model", torch.bfloat16, torch.device(gen), 7, progress, "t5xxl")
-    _t5_tokenizer(512).save_pretrained(os.path.join(root, "tokenizer_2"))
+    write_weights(module, sub, "model", torch.bfloat16, torch.device(gen), 7, progress, "t5xxl")
+    t5_tokenizer(512).save_pretrained(os.path.join(root, "tokenizer_2"))
     index = {
         "_class_name": "FluxPipeline",
         "text_encoder_2": ["transformers", "T5EncoderModel"],
@@ -351,7 +351,7 @@ def run_serve_bench(
     if bad or not parts:
         raise ArgumentError(f"parts must be some of {PARTS}, got {tuple(parts)!r}")
     if models is None:
-        from nostall.bench.stores import write_store
+        from nostall.synthetic import write_store
 
         work = work or tempfile.mkdtemp(prefix="nostall-serve-")
         models = os.path.join(work, "store")

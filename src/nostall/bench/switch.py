@@ -50,6 +50,8 @@ from typing import Any
 
 import torch
 
+from nostall.synthetic.run import denoise
+
 __all__ = ["PARTS", "run_switch_bench"]
 
 PARTS = (
@@ -118,31 +120,6 @@ _SIZES["full-flux"] = {**_SIZES["full"], "host_budget": 40 * 10**9, "pipelines":
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-
-
-def denoise(
-    pipe: Any, name: str, *, steps: int, res: int, dev: torch.device, on_step=None
-) -> float:
-    """A short denoising run (latents out, no VAE decode); seconds, synchronised."""
-    kw: dict[str, Any] = dict(
-        prompt="a lighthouse at dusk",
-        num_inference_steps=steps,
-        height=res,
-        width=res,
-        output_type="latent",
-        generator=torch.Generator(device=dev.type).manual_seed(0),
-    )
-    if name.startswith("flux"):
-        kw["max_sequence_length"] = 64
-    if on_step is not None:
-        kw["callback_on_step_end"] = on_step
-    pipe.set_progress_bar_config(disable=True)
-    _sync(dev)
-    t = time.perf_counter()
-    with torch.inference_mode():
-        pipe(**kw)
-    _sync(dev)
-    return time.perf_counter() - t
 
 
 class _StepClock:
@@ -707,7 +684,7 @@ def run_switch_bench(
 ) -> dict:
     """Write (or reuse) the store, run the parts, return the report (saved after each part)."""
     from nostall.bench.load import _commit, _hardware
-    from nostall.bench.stores import write_store
+    from nostall.synthetic import write_store
     from nostall.transfer.loader import resolve_device
 
     dev = resolve_device(device)

@@ -82,9 +82,9 @@ def switch(
 ) -> None:
     """Switch among pipelines of a store and print, per switch, where each component came
     from and what each phase cost."""
-    from nostall.bench.switch import denoise
     from nostall.cache import ModelCache
     from nostall.cli.main import _default_device, _dtype, _option, console
+    from nostall.synthetic import denoise
 
     if steps < 0:
         raise typer.BadParameter(f"must be >= 0, got {steps}", param_hint="--steps")

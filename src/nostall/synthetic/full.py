@@ -4,7 +4,7 @@ The modules are built on ``meta`` from the published configs, and each tensor is
 drawn on the GPU (N(0, 0.02), in the pipeline's dtype) and written into shards the
 way ``save_pretrained`` names them, with the index beside them. Tied tensors (T5's
 shared embedding) are written once, as ``save_pretrained`` does. Tokenizers are the
-small offline ones of :mod:`nostall.bench.stores`: the pipelines only need token ids
+small offline ones of :mod:`nostall.synthetic.tokenizers`: the pipelines only need token ids
 in range, and the weights dominate every byte count.
 """
 
@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["write_full"]
+from nostall.synthetic.tokenizers import clip_tokenizer, t5_tokenizer
+
+__all__ = ["t5_xxl", "write_full", "write_weights"]
 
 _SHARD = 10 * 10**9  # diffusers' and transformers' max_shard_size="10GB"
 
@@ -62,7 +64,7 @@ def _clip_g():
     )
 
 
-def _t5_xxl():
+def t5_xxl():
     from transformers import T5Config, T5EncoderModel
 
     return T5EncoderModel(
@@ -105,7 +107,7 @@ def _flux() -> tuple[str, dict[str, Any], dict[str, Any], torch.dtype]:
         modules = {
             "transformer": diffusers.FluxTransformer2DModel(guidance_embeds=True),
             "text_encoder": _clip_l(),
-            "text_encoder_2": _t5_xxl(),
+            "text_encoder_2": t5_xxl(),
             "vae": _vae(
                 16,
                 scaling_factor=0.3611,
@@ -195,7 +197,6 @@ def write_full(
     """
     import diffusers
 
-    from nostall.bench.stores import _clip_tokenizer, _t5_tokenizer
     from nostall.errors import ArgumentError
 
     if name not in _FULL:
@@ -225,12 +226,12 @@ def write_full(
             stem = "model"
         # Shared components get the same seed in every pipeline: the same bytes.
         seed = _SEEDS[name] if role in ("transformer", "unet") else zlib.crc32(role.encode())
-        _write_weights(module, sub, stem, dtype, device, seed, progress, f"{name}/{role}")
+        write_weights(module, sub, stem, dtype, device, seed, progress, f"{name}/{role}")
     for role, obj in files.items():
         sub = os.path.join(folder, role)
         if isinstance(obj, tuple):
             kind, length = obj
-            tok = _clip_tokenizer(length) if kind == "clip" else _t5_tokenizer(length)
+            tok = clip_tokenizer(length) if kind == "clip" else t5_tokenizer(length)
             tok.save_pretrained(sub)
             index[role] = ["transformers", "CLIPTokenizer" if kind == "clip" else "T5TokenizerFast"]
         else:
@@ -242,7 +243,7 @@ def write_full(
         json.dump(index, f, indent=2)
 
 
-def _write_weights(module, folder, stem, dtype, device, seed, progress, what) -> None:
+def write_weights(module, folder, stem, dtype, device, seed, progress, what) -> None:
     from safetensors.torch import save_file
 
     seen: set[int] = set()

@@ -21,36 +21,16 @@ from __future__ import annotations
 
 import json
 import os
-import string
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from nostall.synthetic.tokenizers import clip_tokenizer, t5_tokenizer
+
 __all__ = ["PIPELINES", "write_store"]
 
 PIPELINES = ("flux", "flux-b", "sdxl", "sd3", "wan")
-
-
-def _clip_tokenizer(max_length: int):
-    from transformers import CLIPTokenizer
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for c in bytes_to_unicode().values():
-        vocab.setdefault(c, len(vocab))
-    for c in bytes_to_unicode().values():
-        vocab.setdefault(c + "</w>", len(vocab))
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
-
-
-def _t5_tokenizer(max_length: int = 512):
-    from transformers import T5Tokenizer
-
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
-    pieces += [(c, -3.0) for c in string.printable if not c.isspace()]
-    pieces += [("▁" + c, -2.5) for c in string.ascii_lowercase]
-    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length)
 
 
 CLIP_VOCAB = 514  # the tiny CLIP tokenizer's size
@@ -136,9 +116,9 @@ def _tiny_flux(seed: int):
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
         vae=vae,
         text_encoder=text_encoder,
-        tokenizer=_clip_tokenizer(32),
+        tokenizer=clip_tokenizer(32),
         text_encoder_2=text_encoder_2,
-        tokenizer_2=_t5_tokenizer(),
+        tokenizer_2=t5_tokenizer(),
         transformer=transformer,
     )
 
@@ -171,8 +151,8 @@ def _tiny_sdxl(seed: int):
         vae=_tiny_vae(4, sample_size=32),
         text_encoder=text_encoder,
         text_encoder_2=text_encoder_2,
-        tokenizer=_clip_tokenizer(32),
-        tokenizer_2=_clip_tokenizer(32),
+        tokenizer=clip_tokenizer(32),
+        tokenizer_2=clip_tokenizer(32),
         unet=unet,
         scheduler=diffusers.EulerDiscreteScheduler(
             beta_start=0.00085,
@@ -210,13 +190,13 @@ def _tiny_sd3(seed: int):
             scaling_factor=1.5035,
         ),
         text_encoder=CLIPTextModelWithProjection(_clip_config(32, 2, 4, 32, 32, hidden_act="gelu")),
-        tokenizer=_clip_tokenizer(32),
+        tokenizer=clip_tokenizer(32),
         text_encoder_2=CLIPTextModelWithProjection(
             _clip_config(32, 2, 4, 32, 32, hidden_act="gelu")
         ),
-        tokenizer_2=_clip_tokenizer(32),
+        tokenizer_2=clip_tokenizer(32),
         text_encoder_3=T5EncoderModel(_t5_config(32, 2, 4, 37)),
-        tokenizer_3=_t5_tokenizer(),
+        tokenizer_3=t5_tokenizer(),
         transformer=transformer,
     )
 
@@ -259,7 +239,7 @@ def _tiny_wan(seed: int):
         temperal_downsample=[False, True, True],
     )
     return diffusers.WanPipeline(
-        tokenizer=_t5_tokenizer(),
+        tokenizer=t5_tokenizer(),
         text_encoder=text_encoder,
         transformer=transformer,
         vae=vae,
@@ -319,7 +299,7 @@ def write_store(
             pipe = _TINY[name]()
             pipe.save_pretrained(path, safe_serialization=True)
         else:
-            from nostall.bench.fullstores import write_full
+            from nostall.synthetic.full import write_full
 
             write_full(name, path, device=device, progress=progress)
         with open(stamp, "w") as f:

@@ -12,7 +12,7 @@ pytest.importorskip("diffusers")
 def _tiny_flux_layout():
     import diffusers
 
-    from nostall.bench import stores
+    from nostall.synthetic import tiny as stores
 
     pipe_cls, dtype = "FluxPipeline", torch.bfloat16
     pipe = stores._tiny_flux(1)
@@ -31,8 +31,8 @@ def _tiny_flux_layout():
 def test_written_pipelines_load_with_diffusers_and_share_components(tmp_path, monkeypatch):
     from diffusers import DiffusionPipeline
 
-    from nostall.bench import fullstores
     from nostall.cache import Store
+    from nostall.synthetic import full as fullstores
 
     monkeypatch.setattr(
         fullstores, "_FULL", {"flux": _tiny_flux_layout, "flux-b": _tiny_flux_layout}
@@ -83,7 +83,7 @@ def test_written_pipelines_load_with_diffusers_and_share_components(tmp_path, mo
 
 @pytest.mark.parametrize("name", ["flux", "sdxl"])
 def test_real_layouts_build_on_meta_with_the_published_sizes(name):
-    from nostall.bench import fullstores
+    from nostall.synthetic import full as fullstores
 
     _, modules, files, dtype = fullstores._FULL[name]()
     nbytes = {
