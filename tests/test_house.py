@@ -1,0 +1,190 @@
+"""The house rules, checked on the source as written: every module says its job in its first
+line and stays short enough to read in one sitting, imports form no cycle (function-level
+imports included), user-facing code depends on no benchmark, and no private name crosses a
+module boundary."""
+
+from __future__ import annotations
+
+import ast
+import json
+import pathlib
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+PKG = SRC / "nostall"
+MAX_LINES = 800
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in sorted(PKG.rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def _imports(name: str) -> list[tuple[str, list[str], int]]:
+    """``(module imported, names taken from it, line)`` for every import in ``name``, at any
+    depth (function-level ones included); relative imports resolved."""
+    tree = ast.parse(MODULES[name].read_text(), str(MODULES[name]))
+    package = name if _is_package(name) else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, [], node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            names = [a.name for a in node.names]
+            # ``from pkg import sub`` imports the module ``pkg.sub``
+            subs = [n for n in names if f"{base}.{n}" in MODULES]
+            if subs:
+                out += [(f"{base}.{n}", [], node.lineno) for n in subs]
+            rest = [n for n in names if n not in subs]
+            if rest or not subs:
+                out.append((base, rest, node.lineno))
+    return [(m, names, line) for m, names, line in out if m.split(".")[0] == "nostall"]
+
+
+def _target(module: str) -> str | None:
+    while module and module not in MODULES:
+        module = module.rpartition(".")[0]
+    return module or None
+
+
+def test_every_module_says_its_job_in_its_first_line():
+    missing = [
+        n
+        for n, p in MODULES.items()
+        if not (ast.get_docstring(ast.parse(p.read_text())) or "").strip()
+    ]
+    assert not missing, f"modules without a docstring: {missing}"
+
+
+def test_no_module_is_too_long_to_read_in_one_sitting():
+    long = {n: len(p.read_text().splitlines()) for n, p in MODULES.items()}
+    long = {n: k for n, k in long.items() if k > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def _graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {n: set() for n in MODULES}
+    for name in MODULES:
+        for module, _, _ in _imports(name):
+            target = _target(module)
+            if target and target != name:
+                graph[name].add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_imports_form_no_cycle_function_level_imports_included():
+    assert _cycles(_graph()) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_user_facing_code_imports_no_benchmark():
+    allowed = ("nostall.bench", "nostall.cli.bench")
+    bad = [
+        f"{name}:{line} imports {module}"
+        for name in MODULES
+        if not name.startswith(allowed)
+        for module, _, line in _imports(name)
+        if (_target(module) or "").startswith("nostall.bench")
+    ]
+    assert not bad
+
+
+def test_tests_outside_tests_bench_import_no_benchmark():
+    bad = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        rel = path.relative_to(ROOT / "tests")
+        if rel.parts[0] == "bench" or (rel.parts[0] == "cli" and "bench" in rel.name):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            mod = getattr(node, "module", None) if isinstance(node, ast.ImportFrom) else None
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [mod or ""]
+            bad += [f"{rel}:{node.lineno}" for n in names if n.startswith("nostall.bench")]
+    assert not bad
+
+
+def test_no_private_name_crosses_a_module_boundary():
+    bad = [
+        f"{name}:{line} takes {n} from {module}"
+        for name in MODULES
+        for module, names, line in _imports(name)
+        if _target(module) != name
+        for n in names
+        if n.startswith("_") and not n.startswith("__")
+    ]
+    assert not bad
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize(
+    "record", sorted((ROOT / "docs" / "bench").glob("*.json")), ids=lambda p: p.name
+)
+def test_every_latest_record_names_a_real_commit(record):
+    if _git("rev-parse", "--git-dir").returncode != 0:
+        pytest.skip("not a git checkout")
+    if _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
+        pytest.skip("a shallow clone does not hold every recorded commit")
+    commit = json.loads(record.read_text()).get("commit")
+    assert isinstance(commit, str) and commit, f"{record.name} names no commit"
+    found = _git("cat-file", "-e", f"{commit}^{{commit}}")
+    assert found.returncode == 0, f"{record.name}: commit {commit!r} is not in this repository"
