@@ -23,6 +23,7 @@ def test_all_is_exactly_the_public_surface():
         "demo",
         "quant",
         "serve",
+        "synthetic",
     }
     assert set(nostall.__all__) - {"__version__"} == public
     for name in ("load_state_dict", "load_model", "PinnedPool", "NostallError", "CheckpointError"):
@@ -33,12 +34,42 @@ def test_exception_tree():
     for name in errors.__all__:
         exc = getattr(errors, name)
         assert issubclass(exc, nostall.NostallError)
+        if exc is not nostall.NostallError:  # the root, drawn without a branch
+            assert f"── {name} " in errors.__doc__, f"{name} is not drawn in the tree"
     assert issubclass(nostall.ModelMismatchError, nostall.CheckpointError)
+    # Callers written against the standard conventions keep catching them.
+    assert issubclass(nostall.ArgumentError, ValueError)
+    assert issubclass(nostall.InternalError, RuntimeError)
+    for exc in (errors.UnsupportedBackend, nostall.DegradedError):
+        assert issubclass(exc, nostall.UnsupportedError)
+    for exc in (nostall.QueueFull, nostall.ShuttingDown, nostall.Cancelled):
+        assert issubclass(exc, nostall.ServeError)
+    assert issubclass(nostall.EmbeddingUnavailable, nostall.ServeError)
+
+
+def test_errors_moved_into_the_tree_keep_their_old_import_paths():
+    from nostall.io.base import UnsupportedBackend
+    from nostall.serve.client import EmbeddingUnavailable
+    from nostall.serve.worker import Cancelled, QueueFull, ShuttingDown
+
+    assert UnsupportedBackend is errors.UnsupportedBackend
+    assert EmbeddingUnavailable is nostall.EmbeddingUnavailable
+    assert (QueueFull, ShuttingDown, Cancelled) == (
+        nostall.QueueFull,
+        nostall.ShuttingDown,
+        nostall.Cancelled,
+    )
+
+
+def test_import_works_with_asserts_stripped():
+    # python -O drops assert statements: no invariant may rest on one.
+    code = "import nostall, nostall.video, nostall.io, nostall.transfer.loader\n"
+    subprocess.run([sys.executable, "-O", "-c", code], check=True)
 
 
 def test_import_does_not_touch_cuda():
     code = (
-        "import torch, nostall, nostall.cli.main, nostall.bench.load\n"
+        "import torch, nostall, nostall.cli, nostall.bench.load\n"
         "assert not torch.cuda.is_initialized()\n"
         "p = nostall.PinnedPool(4 << 20, pin=False); p.close()\n"
         "assert not torch.cuda.is_initialized()\n"

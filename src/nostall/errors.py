@@ -17,12 +17,26 @@ cases apart by type (never by message text)::
     ├── UnknownModel             the model cache has no pipeline of that name
     ├── BudgetExceeded           a cache tier cannot hold what a switch needs
     ├── UnsupportedError         a model class, library version or mode nostall cannot drive
+    │   ├── UnsupportedBackend   the file system refuses a read strategy (``O_DIRECT``)
+    │   └── DegradedError        an explicit request could only run degraded (``strict=True``)
     ├── LatentsError             latents of the wrong rank, channels, dtype, device or values
-    └── SinkError                a frame sink failed (disk full, closed, bad path)
+    ├── SinkError                a frame sink failed (disk full, closed, bad path)
+    ├── ServeError               the service refused, dropped or could not reach a job
+    │   ├── QueueFull            the worker's queue is full (HTTP 429)
+    │   ├── ShuttingDown         the worker is shutting down (HTTP 503)
+    │   ├── Cancelled            the client went away before its job started
+    │   └── EmbeddingUnavailable the embedding service did not answer
+    └── InternalError            an invariant inside nostall broke: a bug (also a ``RuntimeError``)
 
 Messages name the file, the tensor and the numbers involved, and say how to fix
 the problem. Each exception keeps the pieces as attributes (``path``, ``tensor``)
 for programs that want them.
+
+An explicit request that can only run degraded (``read_mode="direct"`` on a file
+system that refuses ``O_DIRECT``, ``mode="exact"`` on a decoder exact cannot run)
+runs the fallback and says so in the result it returns (``LoadStats.degraded``,
+``DecodeResult.degraded``); with ``strict=True`` it raises :class:`DegradedError`
+instead.
 """
 
 from __future__ import annotations
@@ -33,17 +47,25 @@ __all__ = [
     "ArgumentError",
     "BudgetExceeded",
     "BusyError",
+    "Cancelled",
     "CheckpointError",
     "ClosedError",
+    "DegradedError",
     "DeviceError",
+    "EmbeddingUnavailable",
     "FileChanged",
+    "InternalError",
     "LatentsError",
     "ModelMismatchError",
     "NostallError",
     "PoolExhausted",
+    "QueueFull",
     "ReadError",
+    "ServeError",
+    "ShuttingDown",
     "SinkError",
     "UnknownModel",
+    "UnsupportedBackend",
     "UnsupportedError",
 ]
 
@@ -192,6 +214,28 @@ class UnsupportedError(NostallError):
     a library whose internals nostall relies on, or a mode the machine lacks."""
 
 
+class UnsupportedBackend(UnsupportedError):
+    """The file system refuses a read strategy for this file (``O_DIRECT`` on tmpfs,
+    some FUSE and overlay mounts). ``read_mode="direct"`` falls back to buffered reads
+    and records why; with ``strict=True`` the load raises :class:`DegradedError`."""
+
+
+class DegradedError(UnsupportedError):
+    """An explicit request could only run degraded, and the caller passed ``strict=True``.
+
+    Without ``strict`` the fallback runs and the result records it (``degraded``).
+
+    Attributes:
+        requested: what was asked for (``"read_mode='direct'"``, ``"mode='exact'"``).
+        fallback: what would have run instead (``"read_mode='buffered'"``).
+        reason: why the request cannot be honoured.
+    """
+
+    def __init__(self, message: str, *, requested: str, fallback: str, reason: str):
+        self.requested, self.fallback, self.reason = requested, fallback, reason
+        super().__init__(message)
+
+
 class LatentsError(NostallError):
     """Latents passed to a video decoder have the wrong rank, channels, dtype or device,
     or hold NaN/inf values."""
@@ -203,3 +247,28 @@ class SinkError(NostallError):
     def __init__(self, message: str, *, path: str | os.PathLike | None = None):
         self.path = os.fspath(path) if path is not None else None
         super().__init__(f"{self.path}: {message}" if self.path else message)
+
+
+class ServeError(NostallError):
+    """The generation or embedding service refused a job, dropped it, or was unreachable."""
+
+
+class QueueFull(ServeError):
+    """The worker's queue is full; retry later (HTTP 429)."""
+
+
+class ShuttingDown(ServeError):
+    """The worker is shutting down and takes no more work (HTTP 503)."""
+
+
+class Cancelled(ServeError):
+    """The client went away before the job started."""
+
+
+class EmbeddingUnavailable(ServeError):
+    """The embedding service did not answer (after the retries), or answered 5xx."""
+
+
+class InternalError(NostallError, RuntimeError):
+    """An invariant inside nostall does not hold: a bug in nostall, never the caller's
+    fault. Please report it with the message. Also a ``RuntimeError``."""

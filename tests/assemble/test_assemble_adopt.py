@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from nostall.assemble import adopt, build_empty
-from nostall.errors import CheckpointError, ModelMismatchError
+from nostall.errors import ArgumentError, CheckpointError, ModelMismatchError
 
 from assemble_support import Saved
 
@@ -212,7 +212,7 @@ def test_mixed_devices_need_an_explicit_device(saved_models: dict[str, Saved]) -
     tensors = saved.tensors()
     key = next(iter(tensors))
     tensors[key] = torch.empty(tensors[key].shape, device="meta")
-    with pytest.raises(ValueError, match="several devices"):
+    with pytest.raises(ArgumentError, match="several devices"):
         adopt(_empty(saved), tensors)
     module = adopt(_empty(saved), tensors, device="cpu")
     assert {b.device.type for b in module.buffers()} == {"cpu"}

@@ -41,8 +41,8 @@ def flux_store(tmp_path_factory):
 
 def test_fp8_transformer_runs_on_tensor_cores_close_to_bf16(tmp_path):
     _fits_tensor_cores()
-    from nostall.synthetic import step_inputs, write_transformer
     from nostall.quant.check import sqnr_db
+    from nostall.synthetic import step_inputs, write_transformer
 
     src = write_transformer(str(tmp_path / "bf16"), "tiny", torch.device("cuda"))
     nostall.quantize(src, tmp_path / "fp8")

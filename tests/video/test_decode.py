@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from nostall.errors import LatentsError, SinkError
+from nostall.errors import DegradedError, LatentsError, SinkError
 from nostall.video import decode_to_file, frame_count, to_uint8_frames
 from nostall.video import pipeline as pipeline_mod
 
@@ -101,7 +101,7 @@ def test_missing_folder_is_refused_before_decoding(tmp_path, vae, latents, monke
     def boom(*a, **k):
         raise AssertionError("decoded although the output folder is missing")
 
-    monkeypatch.setattr("nostall.video.decode.decode_chunks", boom)
+    monkeypatch.setattr("nostall.video.decode.open_chunks", boom)
     with pytest.raises(SinkError, match="folder"):
         decode_to_file(vae, latents, tmp_path / "missing" / "v.mp4")
 
@@ -196,19 +196,78 @@ def test_submit_decode_failure_after_return_leaves_nothing(tmp_path, vae, latent
     assert os.listdir(tmp_path) == []
 
 
+# ---- an explicit decoder mode that cannot run: recorded, or refused with strict ----------
+
+
+def test_exact_that_runs_is_not_degraded(tmp_path, vae, latents, reference):
+    result = decode_to_file(vae, latents, tmp_path / "v.npy", mode="exact", strict=True)
+    assert result.degraded == ()
+    assert np.array_equal(np.load(result.path), reference)
+
+
+@pytest.fixture
+def gelu_head(vae):
+    """The decoder head's activation made one that eager calls and exact cannot run.
+    (monkeypatch's undo deletes a submodule attribute instead of restoring it.)"""
+    silu = vae.decoder.nonlinearity
+    vae.decoder.nonlinearity = torch.nn.GELU()
+    yield
+    vae.decoder.nonlinearity = silu
+
+
+@pytest.mark.parametrize("submit", [False, True])
+def test_exact_that_cannot_run_decodes_eagerly_and_the_result_says_so(
+    tmp_path, vae, latents, gelu_head, submit
+):
+    from nostall.video import AsyncFramePipeline, submit_decode
+
+    with torch.no_grad():
+        expected = to_uint8_frames(vae.decode(latents).sample).numpy()
+    out = tmp_path / "v.npy"
+    if submit:
+        with AsyncFramePipeline(device="cpu") as pipe:
+            result = submit_decode(vae, latents, out, pipeline=pipe, mode="exact").result(60)
+    else:
+        result = decode_to_file(vae, latents, out, mode="exact")
+    assert np.array_equal(np.load(out), expected)  # eager's frames
+    (said,) = result.degraded
+    assert "mode='exact' was asked for" in said and "GELU" in said and "mode='eager'" in said
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_strict_refuses_a_degraded_mode_before_anything_is_written(
+    tmp_path, vae, latents, request, mode
+):
+    if mode == "exact":
+        request.getfixturevalue("gelu_head")
+    # fast needs a CUDA GPU and Triton; on the CPU it would run exact.
+    with pytest.raises(DegradedError, match="strict=True") as info:
+        decode_to_file(vae, latents, tmp_path / "v.npy", mode=mode, strict=True)
+    assert info.value.requested == f"mode={mode!r}"
+    assert info.value.fallback == ("mode='eager'" if mode == "exact" else "mode='exact'")
+    assert os.listdir(tmp_path) == []
+
+
+def test_fast_without_a_gpu_records_that_exact_ran(tmp_path, vae, latents, reference):
+    result = decode_to_file(vae, latents, tmp_path / "v.npy", mode="fast")
+    (said,) = result.degraded
+    assert "mode='fast' was asked for" in said and "CUDA GPU" in said and "'exact'" in said
+    assert np.array_equal(np.load(result.path), reference)  # exact's frames are eager's
+
+
 # ---- the frame count is checked before the file gets its final name ----------------
 
 
 def _one_chunk_short(monkeypatch):
     from nostall.video import decode as decode_mod
 
-    real = decode_mod.decode_chunks
+    real = decode_mod.open_chunks
 
-    def short(vae, z, mode="eager", devices=None):
-        chunks = list(real(vae, z, mode=mode, devices=devices))
-        return iter(chunks[:-1])  # 9 of 13 frames
+    def short(vae, z, **kw):
+        chunks, degraded = real(vae, z, **kw)
+        return iter(list(chunks)[:-1]), degraded  # 9 of 13 frames
 
-    monkeypatch.setattr(decode_mod, "decode_chunks", short)
+    monkeypatch.setattr(decode_mod, "open_chunks", short)
 
 
 @pytest.mark.parametrize("sync", [False, True])
@@ -238,33 +297,48 @@ def test_submit_decode_checks_the_frame_count_before_the_rename(
 # ---- a script that exits without waiting for its submitted videos -------------------
 
 _SCRIPT = """
-import sys, time
+import os, sys, threading
 import torch
 from diffusers import AutoencoderKLWan
 from nostall.video import AsyncFramePipeline, submit_decode
 from nostall.video.sinks import NpySink
 
-real = NpySink._finish_temp
+names = ("fail.npy", "ok.npy")
+closing = {name: threading.Event() for name in names}  # the pipeline writing it closes
+video_of = {}  # id(pipeline) -> the name of its video
+real_close, real_finish = AsyncFramePipeline.close, NpySink._finish_temp
 
-def slow_finish(self):
-    time.sleep(0.5)  # the file is still being finished when the main thread ends
-    if sys.argv[2] == "fail":
+def close(self):
+    closing[video_of[id(self)]].set()
+    real_close(self)
+
+def finish_once_its_pipeline_closes(self):
+    # The file is still being finished when the script has ended and the pipeline's exit
+    # hook closes it: without that hook, nothing would set the event.
+    name = os.path.basename(self.path)
+    if not closing[name].wait(60):
+        raise RuntimeError("nothing closed the pipeline")
+    if name == "fail.npy":
         raise OSError(28, "No space left on device")
-    real(self)
+    real_finish(self)
 
-NpySink._finish_temp = slow_finish
+AsyncFramePipeline.close = close
+NpySink._finish_temp = finish_once_its_pipeline_closes
 torch.manual_seed(0)
 vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1).eval()
 z = torch.randn(1, 16, 4, 6, 8)
-pipe = AsyncFramePipeline(device="cpu")
-submit_decode(vae, z, sys.argv[1], pipeline=pipe)
+# One pipeline per outcome (a failed video may stop its pipeline's writer), one process
+# for both: starting Python with torch and diffusers is most of this test's time.
+pipes = [AsyncFramePipeline(device="cpu") for _ in names]
+for name, pipe in zip(names, pipes):
+    video_of[id(pipe)] = name
+    submit_decode(vae, z, os.path.join(sys.argv[1], name), pipeline=pipe)
 # no close(), no result(): the script just ends
 """
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("outcome", ["ok", "fail"])
-def test_videos_submitted_by_a_script_that_exits_are_finished(tmp_path, outcome):
+def test_videos_submitted_by_a_script_that_exits_are_finished(tmp_path):
     import subprocess
     import sys
 
@@ -272,14 +346,12 @@ def test_videos_submitted_by_a_script_that_exits_are_finished(tmp_path, outcome)
     script.write_text(_SCRIPT)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    out = out_dir / "v.npy"
     proc = subprocess.run(
-        [sys.executable, str(script), str(out), outcome], capture_output=True, text=True
+        [sys.executable, str(script), str(out_dir)], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
-    assert leftovers(out_dir) == []  # no hidden .v.npy.*.partial
-    if outcome == "ok":
-        assert np.load(out).shape == (13, 48, 64, 3)
-    else:
-        assert not out.exists()
-        assert "was not written" in proc.stderr and "No space left" in proc.stderr
+    assert leftovers(out_dir) == []  # no hidden .*.npy.*.partial
+    assert np.load(out_dir / "ok.npy").shape == (13, 48, 64, 3)
+    assert not (out_dir / "fail.npy").exists()
+    assert "fail.npy" in proc.stderr and "was not written" in proc.stderr
+    assert "No space left" in proc.stderr

@@ -12,7 +12,7 @@ pytest.importorskip("diffusers")
 from diffusers.models.autoencoders import autoencoder_kl_wan as wan_module
 from test_wan import _BUILDERS, _latents, _reference
 
-from nostall.errors import ArgumentError, DeviceError
+from nostall.errors import ArgumentError, DegradedError, DeviceError
 from nostall.video import exact as exact_mod
 from nostall.video.exact import ExactDecoder, ExactState, unsupported_reason
 from nostall.video.kernels import rms_silu_into
@@ -99,6 +99,14 @@ def test_a_decoder_exact_cannot_run_decodes_eagerly_and_says_so_once(vae, caplog
     assert torch.equal(out1, ref) and torch.equal(out2, ref)
     warnings = [r for r in caplog.records if "decoding eagerly" in r.getMessage()]
     assert len(warnings) == 1 and "GELU" in warnings[0].getMessage()
+
+
+def test_strict_refuses_a_decoder_exact_cannot_run_before_any_chunk(vae):
+    vae.decoder.nonlinearity = nn.GELU()
+    # Raised by the call itself, not at the first next(): no chunk is ever decoded.
+    with pytest.raises(DegradedError, match="GELU") as info:
+        decode_chunks(vae, _latents(vae, t=2), mode="exact", strict=True)
+    assert info.value.requested == "mode='exact'" and info.value.fallback == "mode='eager'"
 
 
 def test_unsupported_reasons_name_the_part(vae):

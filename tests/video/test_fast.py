@@ -13,7 +13,7 @@ pytest.importorskip("diffusers")
 from diffusers.models.autoencoders import autoencoder_kl_wan as wan_module
 from test_wan import _BUILDERS, _latents, _reference
 
-from nostall.errors import ArgumentError
+from nostall.errors import ArgumentError, DegradedError
 from nostall.video import wan as wan_mod
 from nostall.video.exact import ExactState, FastDecoder
 from nostall.video.wan import decode_chunks
@@ -34,6 +34,12 @@ def test_fast_without_a_gpu_runs_exact_and_says_so_once(vae, caplog):
     assert torch.equal(a, ref) and torch.equal(b, ref)  # exact's bits
     said = [r.getMessage() for r in caplog.records if "mode='fast' needs" in r.getMessage()]
     assert len(said) == 1 and "CUDA GPU" in said[0] and "mode='exact'" in said[0]
+
+
+def test_fast_without_a_gpu_with_strict_is_refused(vae):
+    with pytest.raises(DegradedError, match="CUDA GPU") as info:
+        decode_chunks(vae, _latents(vae, t=2), mode="fast", strict=True)
+    assert info.value.requested == "mode='fast'" and info.value.fallback == "mode='exact'"
 
 
 def _force_fast(monkeypatch):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from nostall.errors import ArgumentError
 from nostall.video.frames import to_uint8_frames
 
 
@@ -97,5 +98,5 @@ def test_does_not_modify_the_chunk():
     ],
 )
 def test_rejects_bad_chunks(chunk, pattern):
-    with pytest.raises(ValueError, match=pattern):
+    with pytest.raises(ArgumentError, match=pattern):
         to_uint8_frames(chunk)

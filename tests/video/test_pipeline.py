@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from nostall.errors import ClosedError, SinkError
+from nostall.errors import ArgumentError, ClosedError, SinkError
 from nostall.video import AsyncFramePipeline, NullSink, SyncFramePipeline, drain
 from nostall.video.sinks import FrameSink
 
@@ -172,7 +172,7 @@ def test_producer_error_and_interrupt_stop_the_worker():
 
 
 def test_convert_must_return_uint8_frames():
-    with AsyncFramePipeline(device="cpu") as pipe, pytest.raises(ValueError, match="uint8"):
+    with AsyncFramePipeline(device="cpu") as pipe, pytest.raises(ArgumentError, match="uint8"):
         pipe.run(iter([torch.zeros(1, 3, 1, 4, 4, dtype=torch.uint8)]), NullSink())
 
 

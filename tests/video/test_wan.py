@@ -12,7 +12,7 @@ diffusers = pytest.importorskip("diffusers")
 from diffusers import AutoencoderKLWan  # noqa: E402
 from diffusers.models.autoencoders import autoencoder_kl_wan as wan_module  # noqa: E402
 
-from nostall.errors import LatentsError, UnsupportedError  # noqa: E402
+from nostall.errors import ArgumentError, LatentsError, UnsupportedError  # noqa: E402
 from nostall.video.wan import (  # noqa: E402
     check_latents,
     decode_chunks,
@@ -405,7 +405,7 @@ def test_check_latents_accepts_valid_latents():
 
 def test_frame_count():
     assert [frame_count(t) for t in (1, 2, 3, 21)] == [1, 5, 9, 81]
-    with pytest.raises(ValueError, match=">= 1"):
+    with pytest.raises(ArgumentError, match=">= 1"):
         frame_count(0)
     with pytest.raises(TypeError):
         frame_count(2.0)  # type: ignore[arg-type]

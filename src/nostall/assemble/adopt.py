@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from nostall.errors import ModelMismatchError
+from nostall.errors import ArgumentError, ModelMismatchError
 
 __all__ = ["adopt"]
 
@@ -209,7 +209,7 @@ def _buffer_device(
         return torch.device(device)
     devices = {t.device for t in adopted.values()}
     if len(devices) > 1:
-        raise ValueError(
+        raise ArgumentError(
             f"adopted tensors are on several devices ({', '.join(sorted(map(str, devices)))}); "
             "pass device= to say where the module's computed buffers should go"
         )
@@ -257,14 +257,23 @@ def adopt(
     error: it would be unusable. With :func:`build_empty`, every parameter is
     on ``meta``, so a missing parameter always raises.
 
-    Example::
+    Example (a module built on ``meta`` takes two CPU tensors as they are)::
 
+        >>> import torch
+        >>> with torch.device("meta"):
+        ...     model = torch.nn.Linear(4, 2)
+        >>> tensors = {"weight": torch.ones(2, 4), "bias": torch.zeros(2)}
+        >>> model = adopt(model, tensors)
+        >>> model.weight.data_ptr() == tensors["weight"].data_ptr()
+        True
+
+    A real checkpoint on the GPU (not run here: it needs the files and CUDA)::
+
+        >>> from nostall.assemble import build_empty, resolve_model_class
         >>> from safetensors.torch import load_file
         >>> folder = "/models/flux/transformer"
-        >>> tensors = load_file(f"{folder}/diffusion_pytorch_model.safetensors", device="cuda")
-        >>> model = adopt(build_empty(resolve_model_class(folder), folder), tensors, path=folder)
-        >>> model.get_parameter("proj_out.weight").data_ptr() == tensors["proj_out.weight"].data_ptr()
-        True
+        >>> tensors = load_file(f"{folder}/diffusion_pytorch_model.safetensors", device="cuda")  # doctest: +SKIP
+        >>> model = adopt(build_empty(resolve_model_class(folder), folder), tensors, path=folder)  # doctest: +SKIP
     """
     layout = _layout(module)
     expected = {**layout.params, **layout.persistent}

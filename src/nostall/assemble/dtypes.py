@@ -39,12 +39,18 @@ def target_dtypes(module: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtyp
       their dtype keep it, as in transformers;
     * anything else: ``dtype``.
 
-    Example::
+    Example (a one-layer T5 built from a config dict; a checkpoint folder works the same)::
 
-        >>> module = build_empty(T5EncoderModel, folder, dtype=torch.float16)
+        >>> from transformers import T5EncoderModel
+        >>> from nostall.assemble import build_empty
+        >>> config = {"vocab_size": 32, "d_model": 8, "d_kv": 4, "d_ff": 16, "num_layers": 1, "num_heads": 2}
+        >>> module = build_empty(T5EncoderModel, config, dtype=torch.float16)
         >>> target_dtypes(module, torch.float16)["encoder.block.0.layer.1.DenseReluDense.wo.weight"]
         torch.float32
+        >>> tensors = {k: torch.zeros(t.shape) for k, t in module.state_dict().items()}
         >>> tensors = {k: t.to(target_dtypes(module, torch.float16).get(k, t.dtype)) for k, t in tensors.items()}
+        >>> tensors["shared.weight"].dtype
+        torch.float16
     """
     library = library_of(type(module))
     # keep_vars: the module's own (meta) tensors, whose dtype is what we read.

@@ -232,10 +232,12 @@ def build_empty(
     Raises :class:`~nostall.errors.CheckpointError` if the folder has no usable
     config or the config does not construct the class.
 
-    Example::
+    Example (a one-layer T5 from a config dict; a checkpoint folder such as
+    ``/models/flux/transformer`` with ``resolve_model_class(folder)`` works the same)::
 
-        >>> folder = "/models/flux/transformer"
-        >>> module = build_empty(resolve_model_class(folder), folder, dtype=torch.bfloat16)
+        >>> from transformers import T5EncoderModel
+        >>> config = {"vocab_size": 32, "d_model": 8, "d_kv": 4, "d_ff": 16, "num_layers": 1, "num_heads": 2}
+        >>> module = build_empty(T5EncoderModel, config, dtype=torch.bfloat16)
         >>> {p.device.type for p in module.parameters()}
         {'meta'}
     """

@@ -47,10 +47,15 @@ def read_config(folder: str | os.PathLike) -> dict[str, Any]:
     missing, unreadable, not a regular file (a FIFO or a device is never opened),
     not JSON, or not a JSON object.
 
-    Example::
+    Example (a folder holding only a config, written here)::
 
-        >>> read_config("/models/flux/transformer")["_class_name"]
+        >>> import json, os, tempfile
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> with open(os.path.join(tmp.name, "config.json"), "w") as f:
+        ...     json.dump({"_class_name": "FluxTransformer2DModel", "num_layers": 1}, f)
+        >>> read_config(tmp.name)["_class_name"]
         'FluxTransformer2DModel'
+        >>> tmp.cleanup()
     """
     path = config_path(folder)
     try:
@@ -111,12 +116,22 @@ def resolve_model_class(folder: str | os.PathLike) -> type[nn.Module]:
     missing, unreadable, names neither, or names a class the installed library
     lacks.
 
-    Example::
+    Example (two folders holding only a config, written here)::
 
-        >>> resolve_model_class("/models/flux/transformer")
+        >>> import json, os, tempfile
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> for name, config in (
+        ...     ("transformer", {"_class_name": "FluxTransformer2DModel"}),
+        ...     ("text_encoder_2", {"architectures": ["T5EncoderModel"]}),
+        ... ):
+        ...     os.mkdir(os.path.join(tmp.name, name))
+        ...     with open(os.path.join(tmp.name, name, "config.json"), "w") as f:
+        ...         json.dump(config, f)
+        >>> resolve_model_class(os.path.join(tmp.name, "transformer"))
         <class 'diffusers.models.transformers.transformer_flux.FluxTransformer2DModel'>
-        >>> resolve_model_class("/models/flux/text_encoder_2")
+        >>> resolve_model_class(os.path.join(tmp.name, "text_encoder_2"))
         <class 'transformers.models.t5.modeling_t5.T5EncoderModel'>
+        >>> tmp.cleanup()
     """
     path = config_path(folder)
     config = read_config(folder)
@@ -149,8 +164,10 @@ def library_of(cls: type[nn.Module]) -> Library:
 
     Example::
 
-        >>> library_of(T5EncoderModel)
-        'transformers'
+        >>> import torch
+        >>> from transformers import T5EncoderModel
+        >>> library_of(T5EncoderModel), library_of(torch.nn.Linear)
+        ('transformers', 'torch')
     """
     transformers = sys.modules.get("transformers")
     if transformers is not None and issubclass(cls, transformers.PreTrainedModel):

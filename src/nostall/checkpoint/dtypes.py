@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from nostall.errors import ArgumentError
+
 __all__ = ["BITS", "dtype_name", "nbytes_of", "to_torch"]
 
 # Bits per element for every dtype the safetensors format defines (safetensors 0.8,
@@ -95,4 +97,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     for name, attr in _TORCH_NAMES.items():
         if getattr(torch, attr, None) == dtype:
             return name
-    raise ValueError(f"torch dtype {dtype} has no safetensors name")
+    raise ArgumentError(
+        f"torch dtype {dtype} has no safetensors name; cast the tensor to one of "
+        f"{', '.join(_TORCH_NAMES.values())} before saving"
+    )

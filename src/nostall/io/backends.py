@@ -7,7 +7,8 @@ import logging
 import mmap
 import os
 
-from nostall.io.base import ReadBackend, UnsupportedBackend, open_error
+from nostall.errors import ArgumentError, DegradedError, UnsupportedBackend
+from nostall.io.base import ReadBackend, open_error
 
 __all__ = ["BufferedBackend", "DirectBackend", "open_backend"]
 
@@ -55,33 +56,58 @@ class DirectBackend(ReadBackend):
             raise open_error(path, e) from e
 
 
-def open_backend(path: str, mode: str, *, block_bytes: int) -> ReadBackend:
+def open_backend(path: str, mode: str, *, block_bytes: int, strict: bool = False) -> ReadBackend:
     """Open ``path`` with the strategy ``mode`` (``"buffered"``, ``"direct"``, ``"auto"``).
 
-    ``"direct"`` falls back to buffered reads, logging why, where the file system
-    refuses it; ``"auto"`` is buffered (a page-cache hit is the common case in a
-    service that restarts workers).
+    ``"auto"`` is buffered (a page-cache hit is the common case in a service that
+    restarts workers). ``"direct"`` is an explicit request: where the file system
+    refuses it, the file is read buffered, the reason is logged, and the returned
+    backend's ``degraded`` says so; with ``strict=True`` that raises
+    :class:`~nostall.DegradedError` instead.
 
     >>> with open_backend("model.safetensors", "direct", block_bytes=2 << 20) as r:  # doctest: +SKIP
-    ...     r.name
-    'direct'
+    ...     r.name, r.degraded
+    ('direct', None)
     """
     if mode in ("auto", "buffered"):
         return BufferedBackend(path, block_bytes=block_bytes)
-    if mode == "direct":
-        try:
-            reader = DirectBackend(path, block_bytes=block_bytes)
-        except UnsupportedBackend as e:
-            log.warning("%s: direct I/O unavailable (%s); reading through the page cache", path, e)
-            return BufferedBackend(path, block_bytes=block_bytes)
-        try:
-            _probe(reader)
-        except UnsupportedBackend as e:
-            reader.close()
-            log.warning("%s: direct I/O unavailable (%s); reading through the page cache", path, e)
-            return BufferedBackend(path, block_bytes=block_bytes)
-        return reader
-    raise ValueError(f"unknown read mode {mode!r}; choose 'auto', 'buffered' or 'direct'")
+    if mode != "direct":
+        raise ArgumentError(f"unknown read mode {mode!r}; choose 'auto', 'buffered' or 'direct'")
+    try:
+        reader = DirectBackend(path, block_bytes=block_bytes)
+    except UnsupportedBackend as e:
+        return _buffered_instead(path, e, block_bytes=block_bytes, strict=strict)
+    try:
+        _probe(reader)
+    except UnsupportedBackend as e:
+        reader.close()
+        return _buffered_instead(path, e, block_bytes=block_bytes, strict=strict)
+    except BaseException:
+        reader.close()
+        raise
+    return reader
+
+
+def _buffered_instead(
+    path: str, why: UnsupportedBackend, *, block_bytes: int, strict: bool
+) -> BufferedBackend:
+    if strict:
+        raise DegradedError(
+            f"{path}: read_mode='direct' was asked for with strict=True, but {why}; load "
+            "with read_mode='buffered' (or 'auto'), pass strict=False to read through the "
+            "page cache and have the result say so, or keep the checkpoint on a file "
+            "system that supports O_DIRECT (ext4, xfs; not tmpfs)",
+            requested="read_mode='direct'",
+            fallback="read_mode='buffered'",
+            reason=str(why),
+        ) from why
+    log.warning("%s: direct I/O unavailable (%s); reading through the page cache", path, why)
+    reader = BufferedBackend(path, block_bytes=block_bytes)
+    reader.degraded = (
+        f"{path}: read_mode='direct' was asked for, but {why}; it was read through the "
+        "page cache (read_mode='buffered') instead"
+    )
+    return reader
 
 
 def _probe(reader: DirectBackend) -> None:

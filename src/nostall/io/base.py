@@ -16,7 +16,8 @@ import stat
 import threading
 from abc import ABC, abstractmethod
 
-from nostall.errors import CheckpointError, ReadError
+# UnsupportedBackend lives in the one error tree; it stays importable from here.
+from nostall.errors import ArgumentError, CheckpointError, ReadError, UnsupportedBackend
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
@@ -32,23 +33,22 @@ DEFAULT_BLOCK_BYTES = 2 << 20
 log = logging.getLogger(__name__)
 
 
-class UnsupportedBackend(Exception):
-    """The file system refuses this strategy for this file; the caller falls back."""
-
-
 class ReadBackend(ABC):
     """Reads byte ranges of one open file into caller-owned memory.
 
     ``alignment`` is what the destination address, the file offset and the length
-    of every request must be multiples of (1 for buffered reads).
+    of every request must be multiples of (1 for buffered reads). ``degraded`` is
+    ``None``, or a sentence saying which strategy was asked for and why this one
+    runs instead (set by :func:`~nostall.io.open_backend` on a fallback).
     """
 
     name: str = ""
     alignment: int = 1
+    degraded: str | None = None
 
     def __init__(self, path: str, *, block_bytes: int = DEFAULT_BLOCK_BYTES):
         if block_bytes <= 0 or block_bytes % 4096:
-            raise ValueError(f"block_bytes={block_bytes} must be a positive multiple of 4096")
+            raise ArgumentError(f"block_bytes={block_bytes} must be a positive multiple of 4096")
         self.path = path
         self.block_bytes = block_bytes
         self._realign_logged = False

@@ -7,13 +7,9 @@ import time
 
 import torch
 
-from nostall.errors import NostallError
+from nostall.errors import EmbeddingUnavailable, NostallError  # defined in the one tree
 
 __all__ = ["EmbeddingClient", "EmbeddingUnavailable"]
-
-
-class EmbeddingUnavailable(NostallError):
-    """The embedding service did not answer (after the retries), or answered 5xx."""
 
 
 class EmbeddingClient:

@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from nostall.errors import ArgumentError
+
 __all__ = ["PRESETS", "make_checkpoint"]
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -56,7 +58,7 @@ def make_checkpoint(
     from safetensors.torch import save_file
 
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+        raise ArgumentError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     os.makedirs(folder, exist_ok=True)
     weights = os.path.join(folder, WEIGHTS)
     stamp = {"preset": preset, "dtype": str(dtype), "seed": seed}

@@ -65,6 +65,8 @@ class LoadStats:
         cast_s: the dtype cast after the read, for CPU loads without a pool.
         total_s: the whole call, headers included (and module assembly, for models).
         build_s: module construction on ``meta`` and tensor adoption (models only).
+        degraded: one sentence per file whose explicit ``read_mode="direct"`` the file
+            system refused: what was asked, what ran instead, and why (empty: none).
     """
 
     source: str
@@ -79,6 +81,7 @@ class LoadStats:
     cast_s: float
     total_s: float
     build_s: float = 0.0
+    degraded: tuple[str, ...] = ()
 
     @property
     def gbps(self) -> float:
@@ -137,6 +140,10 @@ class Loader:
         chunk_bytes: bytes per copy to the device; reads complete per chunk (64 MiB:
             large copies run at link speed, and 16 threads keep 1 GiB in flight).
         read_mode: ``"auto"``/``"buffered"`` (page cache) or ``"direct"`` (``O_DIRECT``).
+            A file whose file system refuses ``"direct"`` is read buffered, and the
+            load's ``stats.degraded`` says so.
+        strict: refuse to degrade instead: a refused ``"direct"`` raises
+            :class:`~nostall.DegradedError` (nothing is loaded).
         ring_slots, ring_slot_bytes: the pinned staging ring for loads without a pool.
 
     >>> with Loader(threads=2) as loader:  # doctest: +SKIP
@@ -153,6 +160,7 @@ class Loader:
         read_mode: str = "auto",
         ring_slots: int | None = None,
         ring_slot_bytes: int = 32 << 20,
+        strict: bool = False,
     ):
         for name, value in (("chunk_bytes", chunk_bytes), ("ring_slot_bytes", ring_slot_bytes)):
             if (
@@ -173,6 +181,7 @@ class Loader:
         self.block_bytes = block_bytes
         self.chunk_bytes = chunk_bytes
         self.read_mode = read_mode
+        self.strict = strict
         self._reader: ParallelReader | None = ParallelReader(threads=threads)
         # Enough slots that every reader has one while the copies of others drain.
         self.ring_slots = ring_slots if ring_slots is not None else self._reader.threads + 4
@@ -382,14 +391,19 @@ class Loader:
 
         Returns once every range has landed and its copies are issued; the caller ends
         the copies with ``moves.finish()``."""
-        assert self._reader is not None
+        if self._reader is None:  # start() checked it under the same lock
+            raise ClosedError("the loader is closed; create a new Loader")
         files: list[ReadBackend] = []
         handle = None
         ckpt = plan.checkpoint
         hashers = [DataHasher(f.data_start, f.data_end) for f in ckpt.files] if digest else None
         try:
             for f in ckpt.files:
-                files.append(open_backend(f.path, self.read_mode, block_bytes=self.block_bytes))
+                files.append(
+                    open_backend(
+                        f.path, self.read_mode, block_bytes=self.block_bytes, strict=self.strict
+                    )
+                )
                 _same_file(f, files[-1], "since its header was read")
             requests = []
             for i, f in enumerate(ckpt.files):
@@ -417,7 +431,9 @@ class Loader:
                 _same_file(f, backend, "while it was read")
             mode = files[0].name if files else "-"
             digests = [h.digest() for h in hashers] if hashers is not None else None
-            return _Outcome(tensors, "read", "", mode, read_s, moves=moves, digests=digests)
+            out = _Outcome(tensors, "read", "", mode, read_s, moves=moves, digests=digests)
+            out.degraded = tuple(b.degraded for b in files if b.degraded)
+            return out
         except BaseException:
             if handle is not None:
                 handle.cancel()  # no reader thread may still write into memory we give back
@@ -483,6 +499,7 @@ class _Outcome:
     cast_s: float = 0.0
     moves: Transfer | None = None
     digests: list[str] | None = None
+    degraded: tuple[str, ...] = ()
 
 
 class PendingLoad:
@@ -535,6 +552,7 @@ class PendingLoad:
                 h2d_s=h2d_s,
                 cast_s=out.cast_s,
                 total_s=time.perf_counter() - self._t0,
+                degraded=out.degraded,
             )
             metadata: dict[str, str] = {}
             for f in ckpt.files:

@@ -18,10 +18,10 @@ from nostall.video.pipeline import (
     FrameStats,
     Progress,
     SyncFramePipeline,
-    _close_iter,
+    close_iter,
 )
 from nostall.video.sinks import FrameSink, sink_for_path
-from nostall.video.wan import decode_chunks, frame_count
+from nostall.video.wan import frame_count, open_chunks
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan
@@ -35,13 +35,17 @@ class DecodeResult:
 
     ``close_s`` is the time spent closing the sink after the last frame was handed to
     it: for MP4, the encoder's delayed frames (x264 look-ahead), the container trailer
-    and the rename into place.
+    and the rename into place. ``degraded`` has one sentence per fallback from the
+    decoder ``mode`` asked for (``"fast"`` without a GPU ran ``"exact"``; a decoder
+    ``"exact"`` cannot run ran ``"eager"``): what was asked, what ran, and why. Empty
+    when the mode asked for ran.
     """
 
     path: str
     frames: int
     fps: float
     stats: FrameStats
+    degraded: tuple[str, ...] = ()
 
     @property
     def close_s(self) -> float:
@@ -63,6 +67,7 @@ def decode_to_file(
     pipeline: Any = None,
     mode: str = "eager",
     devices: Sequence[str | torch.device] | None = None,
+    strict: bool = False,
 ) -> DecodeResult:
     """Decode Wan ``latents`` chunk by chunk and write the frames to ``path``.
 
@@ -81,7 +86,9 @@ def decode_to_file(
     ``"eager"`` (``vae.decoder`` as is) or ``"exact"`` (bit-identical frames, fewer
     passes over memory). ``devices`` (exact only) splits the decoder over two or more
     GPUs, the VAE's first; the frames leave from the last one (an own pipeline is made
-    there; a given ``pipeline`` must be on it).
+    there; a given ``pipeline`` must be on it). Where the mode asked for cannot run, the
+    decode falls back and :attr:`DecodeResult.degraded` says so; ``strict=True`` raises
+    :class:`~nostall.DegradedError` instead, before anything is written.
 
     ``sync=True`` runs the one-thread baseline (decode, blocking copy, write) instead
     of the asynchronous pipeline. ``pipeline`` reuses an open pipeline (its streams,
@@ -92,8 +99,8 @@ def decode_to_file(
     DecodeResult(path='out.mp4', frames=81, ...)
     """
     _check_pipeline_device(pipeline, devices)
-    sink, chunks = _open(
-        vae, latents, path, mode, devices, fps=fps, preset=preset, crf=crf, threads=threads
+    sink, chunks, degraded = _open(
+        vae, latents, path, mode, devices, strict, fps=fps, preset=preset, crf=crf, threads=threads
     )
     total = frame_count(int(latents.shape[2]))
     own = pipeline is None
@@ -111,10 +118,10 @@ def decode_to_file(
             sink.close()
             stats.close_s = time.perf_counter() - t
     finally:
-        _close_iter(chunks)  # a no-op once run() consumed it
+        close_iter(chunks)  # a no-op once run() consumed it
         if own and pipeline is not None:
             pipeline.close()
-    return DecodeResult(os.fspath(path), stats.frames, fps, stats)
+    return DecodeResult(os.fspath(path), stats.frames, fps, stats, degraded)
 
 
 def submit_decode(
@@ -130,6 +137,7 @@ def submit_decode(
     progress: Progress | None = None,
     mode: str = "eager",
     devices: Sequence[str | torch.device] | None = None,
+    strict: bool = False,
 ) -> Future[DecodeResult]:
     """Like :func:`decode_to_file`, but return once the GPU work is launched.
 
@@ -153,8 +161,8 @@ def submit_decode(
             f"for the synchronous baseline"
         )
     _check_pipeline_device(pipeline, devices)
-    sink, chunks = _open(
-        vae, latents, path, mode, devices, fps=fps, preset=preset, crf=crf, threads=threads
+    sink, chunks, degraded = _open(
+        vae, latents, path, mode, devices, strict, fps=fps, preset=preset, crf=crf, threads=threads
     )
     total = frame_count(int(latents.shape[2]))
     # The worker checks the count before it closes the sink (see AsyncFramePipeline.submit).
@@ -169,7 +177,7 @@ def submit_decode(
             result.set_exception(err)
             return
         stats = f.result()
-        result.set_result(DecodeResult(where, stats.frames, fps, stats))
+        result.set_result(DecodeResult(where, stats.frames, fps, stats, degraded))
 
     done.add_done_callback(settle)
     return result
@@ -193,15 +201,18 @@ def _open(
     path: str | os.PathLike,
     mode: str,
     devices: Sequence[str | torch.device] | None,
+    strict: bool,
     **options: Any,
-) -> tuple[FrameSink, Iterator[torch.Tensor]]:
-    """The sink and the (not yet started) chunk generator, everything checked first."""
+) -> tuple[FrameSink, Iterator[torch.Tensor], tuple[str, ...]]:
+    """The sink, the (not yet started) chunk generator and the mode's fallbacks, everything
+    checked first."""
     sink = sink_for_path(path, **options)  # checks path and options before creating a file
     try:
         # Checks the VAE and latents now and decodes lazily. The NaN check waits for the
         # GPU; the sink is opened before it so that, back to back, little host work sits
         # between the previous video's last kernel and this one's first.
-        return sink, decode_chunks(vae, latents, mode=mode, devices=devices)
+        chunks, degraded = open_chunks(vae, latents, mode=mode, devices=devices, strict=strict)
+        return sink, chunks, degraded
     except BaseException:
         sink.abort()
         raise

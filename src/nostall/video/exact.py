@@ -289,10 +289,6 @@ class ExactDecoder:
                 part = [(kind, _copy_to(m, kind, dev)) for kind, m in part]
             self.stages.append((dev, part))
 
-    @property
-    def output_device(self) -> torch.device | None:
-        return self.stages[-1][0]
-
     def forward(self, x: torch.Tensor, state: ExactState, *, first: bool) -> torch.Tensor:
         d = self.decoder
         x = self._causal(d.conv_in, x, state)

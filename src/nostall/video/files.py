@@ -29,10 +29,10 @@ from nostall.video.pipeline import AsyncFramePipeline, SyncFramePipeline
 from nostall.video.sinks import check_sink_path
 from nostall.video.wan import (
     MODES,
-    _latents_stats,
     check_devices,
     check_latents,
     frame_count,
+    latents_stats,
     vae_placement,
 )
 from nostall.video.wan import (
@@ -63,8 +63,12 @@ def output_paths(
 
     Example::
 
-        >>> output_paths(["runs/a.pt", "runs/b.pt"], "videos", suffix=".npy")
-        ['videos/a.npy', 'videos/b.npy']
+        >>> import tempfile
+        >>> videos = tempfile.TemporaryDirectory()   # several inputs: an existing folder
+        >>> paths = output_paths(["runs/a.pt", "runs/b.pt"], videos.name, suffix=".npy")
+        >>> [os.path.relpath(p, videos.name) for p in paths]
+        ['a.npy', 'b.npy']
+        >>> videos.cleanup()
     """
     paths = [os.fspath(p) for p in latents]
     out = os.fspath(out)
@@ -101,6 +105,7 @@ def decode_files(
     progress: FilesProgress | None = None,
     mode: str = "eager",
     devices: Sequence[str | torch.device] | None = None,
+    strict: bool = False,
 ) -> list[DecodeResult]:
     """Decode each latents file to its output, back to back through one pipeline.
 
@@ -119,17 +124,32 @@ def decode_files(
 
     Each file is moved to the VAE's device and dtype (:func:`vae_placement`) just
     before its decode. ``sync=True`` uses the one-thread baseline; ``mode`` is the
-    decoder's forward (``"eager"`` or ``"exact"``, see
-    :func:`~nostall.video.wan.decode_chunks`); ``devices`` splits an exact decoder over
+    decoder's forward (``"eager"``, ``"exact"`` or ``"fast"``, see
+    :func:`~nostall.video.wan.decode_chunks`); a fallback from it is recorded in each
+    result's ``degraded``, or with ``strict=True`` raises :class:`~nostall.DegradedError`
+    before the first decode. ``devices`` splits an exact decoder over
     two or more GPUs (checked before any file is read). ``progress(done,
     total)`` is called with frame counts once all inputs are checked (``done == 0``)
     and as chunks are launched. Returns one :class:`DecodeResult` per file, in order;
     the first failure is raised after the files already submitted are finished.
 
-    Example::
+    Example (a tiny Wan 2.1 VAE with random weights, one latents file to ``.npy``)::
 
-        >>> vae = nostall.load_model("wan/vae", device="cuda", dtype=torch.bfloat16)
-        >>> [r.frames for r in decode_files(["a.pt"], vae, ["a.mp4"], denormalize=True)]
+        >>> import tempfile
+        >>> from diffusers import AutoencoderKLWan
+        >>> vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1).eval()
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> latents = os.path.join(tmp.name, "a.pt")
+        >>> torch.save(torch.randn(1, 16, 3, 4, 4), latents)
+        >>> [r.frames for r in decode_files([latents], vae, [os.path.join(tmp.name, "a.npy")], denormalize=True)]
+        [9]
+        >>> tmp.cleanup()
+
+    With a real VAE on the GPU (not run here: it needs the model and CUDA)::
+
+        >>> import nostall
+        >>> vae = nostall.load_model("wan/vae", device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+        >>> [r.frames for r in decode_files(["a.pt"], vae, ["a.mp4"], denormalize=True)]  # doctest: +SKIP
         [81]
     """
     paths = [os.fspath(p) for p in latents]
@@ -193,6 +213,7 @@ def decode_files(
                         progress=advance,
                         mode=mode,
                         devices=devices,
+                        strict=strict,
                         **options,
                     )
                 )
@@ -206,6 +227,7 @@ def decode_files(
                         progress=advance,
                         mode=mode,
                         devices=devices,
+                        strict=strict,
                         **options,
                     )
                 )
@@ -267,13 +289,16 @@ def _looks_normalized(vae: AutoencoderKLWan, z: torch.Tensor) -> bool | None:
     ``None`` when neither is that close (flat videos, unusual content) or when the
     config cannot tell them apart. A hint for a warning, never a decision.
 
-    Example::
+    Example (a tiny Wan 2.1 VAE; its config carries Wan 2.1's ``latents_std``)::
 
-        >>> _looks_normalized(vae, torch.randn(1, 16, 21, 60, 104))
-        True
+        >>> from diffusers import AutoencoderKLWan
+        >>> vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
+        >>> z = torch.randn(1, 16, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+        >>> _looks_normalized(vae, z), _looks_normalized(vae, denormalize_latents(vae, z))
+        (True, False)
     """
     try:
-        _, std = _latents_stats(vae)
+        _, std = latents_stats(vae)
     except LatentsError:
         return None
     c = len(std)

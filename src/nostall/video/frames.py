@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from nostall.errors import ArgumentError
+
 __all__ = ["to_uint8_frames"]
 
 
@@ -29,7 +31,7 @@ def to_uint8_frames(chunk: torch.Tensor) -> torch.Tensor:
     exported that way are up to one level darker than these.
 
     The result stays on the chunk's device; a batch of more than one video raises
-    ``ValueError`` (convert ``chunk[i : i + 1]`` one at a time).
+    :class:`~nostall.ArgumentError` (convert ``chunk[i : i + 1]`` one at a time).
 
     Example::
 
@@ -41,16 +43,16 @@ def to_uint8_frames(chunk: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"chunk must be a torch.Tensor, got {type(chunk).__name__}")
     shape = tuple(chunk.shape)
     if chunk.dim() != 5 or shape[1] != 3:
-        raise ValueError(
+        raise ArgumentError(
             f"chunk must be (1, 3, t, H, W) as yielded by decode_chunks, got shape {shape}"
         )
     if shape[0] != 1:
-        raise ValueError(
+        raise ArgumentError(
             f"chunk holds a batch of {shape[0]} videos (shape {shape}); to_uint8_frames "
             f"converts one video at a time: pass chunk[i : i + 1] for each video i"
         )
     if not chunk.is_floating_point():
-        raise ValueError(f"chunk must be floating point in [-1, 1], got dtype {chunk.dtype}")
+        raise ArgumentError(f"chunk must be floating point in [-1, 1], got dtype {chunk.dtype}")
 
     x = chunk[0]  # (3, t, H, W)
     # Denormalise in the chunk's own dtype (as diffusers does), then widen: for bf16 chunks

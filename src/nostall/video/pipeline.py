@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from nostall.errors import ArgumentError, ClosedError, SinkError
+from nostall.errors import ArgumentError, ClosedError, InternalError, SinkError
 from nostall.memory.events import wait_event
 from nostall.memory.pool import Block, PinnedPool
 from nostall.video.frames import to_uint8_frames
@@ -201,7 +201,7 @@ class _PipelineBase:
     def _frames(self, chunk: torch.Tensor) -> torch.Tensor:
         frames = self.convert(chunk)
         if frames.dtype != torch.uint8 or frames.dim() != 4 or frames.shape[-1] != 3:
-            raise ValueError(
+            raise ArgumentError(
                 f"convert() must return uint8 (t, H, W, 3) frames, got {frames.dtype} "
                 f"{tuple(frames.shape)}"
             )
@@ -262,7 +262,7 @@ class SyncFramePipeline(_PipelineBase):
                 if progress is not None:
                     progress(frames.shape[0])
         finally:
-            _close_iter(it)
+            close_iter(it)
         stats.wall_s = time.perf_counter() - t0
         return stats
 
@@ -409,7 +409,7 @@ class AsyncFramePipeline(_PipelineBase):
                 if progress is not None:
                     progress(int(chunk.shape[2]) if chunk.dim() == 5 else int(chunk.shape[0]))
         finally:
-            _close_iter(it)
+            close_iter(it)
 
     def _submit(self, n: int, frames: torch.Tensor, run: _Run) -> None:
         stats = run.stats
@@ -549,7 +549,8 @@ class AsyncFramePipeline(_PipelineBase):
 
     def _close_sink(self, run: _Run) -> None:
         future = run.future
-        assert future is not None
+        if future is None:  # submit() sets it before it queues the _Close
+            raise InternalError("a frame pipeline run reached its close without a future")
         got, expected = run.stats.frames, run.expected
         if run.error is None and expected is not None and got != expected:
             # Checked before close(): a short video must never appear under its final name.
@@ -656,7 +657,8 @@ def _sink_error(err: BaseException) -> SinkError:
     return new
 
 
-def _close_iter(it: Any) -> None:
+def close_iter(it: Any) -> None:
+    """Close a generator (or any iterator with ``close``) so its ``finally`` runs now."""
     close = getattr(it, "close", None)
     if close is not None:
         close()

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from nostall.errors import SinkError
+from nostall.errors import InternalError, SinkError
 
 __all__ = [
     "FrameSink",
@@ -82,12 +82,15 @@ class FrameSink(abc.ABC):
     * An existing file at the final path is replaced, atomically, at ``close()``.
     * Sinks are not thread-safe: drive each one from a single thread.
 
-    Example::
+    Example (``close`` keeps the output, ``abort`` leaves nothing)::
 
-        >>> with NullSink() as sink:
-        ...     sink.write(np.zeros((4, 480, 832, 3), np.uint8))
-        >>> sink.frames_written
-        4
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     kept, dropped = NpySink(f"{tmp}/kept.npy"), NpySink(f"{tmp}/dropped.npy")
+        ...     for sink in (kept, dropped):
+        ...         sink.write(np.zeros((2, 16, 16, 3), np.uint8))
+        ...     kept.close(), dropped.abort(), os.listdir(tmp)
+        (None, None, ['kept.npy'])
     """
 
     # File sinks cannot produce a valid file without knowing the frame size.
@@ -123,7 +126,7 @@ class FrameSink(abc.ABC):
 
         Example::
 
-            >>> sink.write(np.zeros((1, 480, 832, 3), np.uint8))
+            >>> NullSink().write(np.zeros((1, 480, 832, 3), np.uint8))
         """
         if self._state != _OPEN:
             raise SinkError(self._not_open_reason("write"), path=self.path)
@@ -160,14 +163,7 @@ class FrameSink(abc.ABC):
         self._frames_written += t
 
     def close(self) -> None:
-        """Finish the output and move it to its final name. Idempotent.
-
-        Example::
-
-            >>> sink.close()
-            >>> os.path.exists(sink.path)
-            True
-        """
+        """Finish the output and move it to its final name. Idempotent (example: the class's)."""
         if self._state == _CLOSED:
             return
         if self._state == _ABORTED:
@@ -202,13 +198,8 @@ class FrameSink(abc.ABC):
     def abort(self) -> None:
         """Discard the output: remove the temporary file or folder. Idempotent.
 
-        Does nothing after a successful ``close()`` (the finished output is kept).
-
-        Example::
-
-            >>> sink.abort()
-            >>> os.listdir(folder)
-            []
+        Does nothing after a successful ``close()`` (the finished output is kept). Example:
+        the class's.
         """
         if self._state in (_CLOSED, _ABORTED):
             return
@@ -411,9 +402,12 @@ class NpySink(_AtomicSink):
 
     Example::
 
-        >>> with NpySink("clip.npy") as sink:
-        ...     sink.write(frames)                      # uint8 (t, H, W, 3), any number of times
-        >>> np.load("clip.npy", mmap_mode="r").shape    # (frames, H, W, 3)
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     with NpySink(f"{tmp}/clip.npy") as sink:
+        ...         sink.write(np.zeros((2, 16, 16, 3), np.uint8))   # uint8 (t, H, W, 3), any number of times
+        ...     np.load(f"{tmp}/clip.npy", mmap_mode="r").shape    # (frames, H, W, 3)
+        (2, 16, 16, 3)
     """
 
     _HEADER_BYTES = 128
@@ -443,7 +437,8 @@ class NpySink(_AtomicSink):
         self._file.write(memoryview(frames).cast("B"))
 
     def _finish_temp(self) -> None:
-        assert self._size is not None
+        if self._size is None:  # close() refuses a sink without frames before this
+            raise InternalError("NpySink finished with no frame size; no frame was written")
         self._file.seek(0)
         self._file.write(self._header(self._frames_written, *self._size))
         self._file.close()
@@ -463,10 +458,9 @@ class PngSink(_AtomicSink):
 
     Example::
 
-        >>> with PngSink("frames/") as sink:
-        ...     sink.write(frames)                 # uint8 (t, H, W, 3)
-        >>> sorted(os.listdir("frames"))[:2]
-        ['frame_000000.png', 'frame_000001.png']
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as tmp, PngSink(f"{tmp}/frames") as sink:
+        ...     sink.write(np.zeros((3, 16, 16, 3), np.uint8))   # uint8 (t, H, W, 3)
     """
 
     def __init__(self, folder: str | os.PathLike[str], *, compress_level: int = 1) -> None:
@@ -636,8 +630,9 @@ class Mp4Sink(_AvSink):
 
     Example::
 
-        >>> with Mp4Sink("clip.mp4", fps=16, crf=18) as sink:
-        ...     sink.write(frames)                 # uint8 (t, H, W, 3), H and W even
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as tmp, Mp4Sink(f"{tmp}/clip.mp4", fps=16, crf=18) as sink:
+        ...     sink.write(np.zeros((4, 64, 64, 3), np.uint8))   # uint8 (t, H, W, 3), H and W even
     """
 
     _format = "mp4"
@@ -701,8 +696,9 @@ class Y4mSink(_AvSink):
 
     Example::
 
-        >>> with Y4mSink("clip.y4m", fps=16) as sink:
-        ...     sink.write(frames)                 # uint8 (t, H, W, 3)
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as tmp, Y4mSink(f"{tmp}/clip.y4m", fps=16) as sink:
+        ...     sink.write(np.zeros((2, 15, 17, 3), np.uint8))   # uint8 (t, H, W, 3), any size
     """
 
     _format = "yuv4mpegpipe"
@@ -734,10 +730,10 @@ def sink_for_path(
 
     Example::
 
-        >>> type(sink_for_path("out/clip.mp4", fps=24)).__name__
-        'Mp4Sink'
-        >>> type(sink_for_path("out/frames/")).__name__
-        'PngSink'
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     type(sink_for_path(f"{tmp}/clip.mp4", fps=24)).__name__, type(sink_for_path(f"{tmp}/frames/")).__name__
+        ('Mp4Sink', 'PngSink')
     """
     raw = os.fspath(path)
     _check_fps(fps, raw)

@@ -28,7 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nostall.errors import ArgumentError, DeviceError, LatentsError, UnsupportedError
+from nostall.errors import (
+    ArgumentError,
+    DegradedError,
+    DeviceError,
+    LatentsError,
+    UnsupportedError,
+)
 from nostall.video.exact import ExactDecoder, ExactState, FastDecoder, unsupported_reason
 from nostall.video.kernels import triton_available
 
@@ -57,7 +63,7 @@ def frame_count(latent_frames: int) -> int:
     if isinstance(latent_frames, bool) or not isinstance(latent_frames, int):
         raise TypeError(f"latent_frames must be an int, got {type(latent_frames).__name__}")
     if latent_frames < 1:
-        raise ValueError(
+        raise ArgumentError(
             f"latent_frames must be >= 1 (a Wan video has at least one latent frame), "
             f"got {latent_frames}"
         )
@@ -80,8 +86,10 @@ def check_latents(vae: AutoencoderKLWan, z: torch.Tensor, *, placement: bool = T
     The NaN/inf check is one reduction over the latents (tens of MB at most); on a GPU
     it waits for the work that produced them.
 
-    Example::
+    Example (a tiny Wan 2.1 VAE with random weights; a real one checks the same way)::
 
+        >>> from diffusers import AutoencoderKLWan
+        >>> vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1).eval()
         >>> check_latents(vae, torch.zeros(1, 16, 21, 60, 104))   # fine: returns None
         >>> check_latents(vae, torch.zeros(16, 21, 60, 104))
         Traceback (most recent call last):
@@ -138,10 +146,13 @@ def vae_placement(vae: AutoencoderKLWan) -> tuple[torch.device | None, torch.dty
     without a hook, or stored in a dtype that is only a storage format (float8 with
     diffusers' layerwise casting computes in another dtype).
 
-    Example::
+    Example (a tiny Wan 2.1 VAE on the CPU; ``vae.to("cuda", torch.bfloat16)`` gives
+    ``(device(type='cuda', index=0), torch.bfloat16)``)::
 
-        >>> vae_placement(vae.to("cuda", torch.bfloat16))
-        (device(type='cuda', index=0), torch.bfloat16)
+        >>> from diffusers import AutoencoderKLWan
+        >>> vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1).eval()
+        >>> vae_placement(vae)
+        (device(type='cpu'), torch.float32)
     """
     weight, hooked = _first_weight(_as_wan(vae))
     if weight is None:
@@ -211,21 +222,25 @@ def denormalize(vae: AutoencoderKLWan, latents: torch.Tensor) -> torch.Tensor:
     (``latents / (1 / std) + mean``, rounded in the latents' dtype) rather than
     ``latents * std + mean``, so pipeline output and nostall output stay bit-identical.
 
-    Example::
+    Example (a tiny Wan 2.1 VAE: 3 latent frames of 4×4 decode to 9 frames of 32×32)::
 
-        >>> z = denormalize(vae, latents)           # latents: (1, 16, 21, 60, 104)
-        >>> video = vae.decode(z).sample
+        >>> from diffusers import AutoencoderKLWan
+        >>> vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1).eval()
+        >>> latents = torch.randn(1, 16, 3, 4, 4)   # as a pipeline with output_type="latent" saves them
+        >>> z = denormalize(vae, latents)
+        >>> vae.decode(z).sample.shape
+        torch.Size([1, 3, 9, 32, 32])
     """
     vae = _as_wan(vae)
     _check_shape(vae, latents)
     c = int(vae.config.z_dim)
-    mean, std = _latents_stats(vae)
+    mean, std = latents_stats(vae)
     mean_t = torch.tensor(mean).view(1, c, 1, 1, 1).to(latents.device, latents.dtype)
     inv_std = 1.0 / torch.tensor(std).view(1, c, 1, 1, 1).to(latents.device, latents.dtype)
     return latents / inv_std + mean_t
 
 
-def _latents_stats(vae: AutoencoderKLWan) -> tuple[list[float], list[float]]:
+def latents_stats(vae: AutoencoderKLWan) -> tuple[list[float], list[float]]:
     """``vae.config.latents_mean`` and ``latents_std``, checked against ``z_dim``."""
     c = int(vae.config.z_dim)
     mean = getattr(vae.config, "latents_mean", None)
@@ -245,6 +260,7 @@ def decode_chunks(
     *,
     mode: str = "eager",
     devices: Sequence[str | torch.device] | None = None,
+    strict: bool = False,
 ) -> Iterator[torch.Tensor]:
     """Decode Wan latents one latent frame at a time, yielding video chunks.
 
@@ -268,6 +284,8 @@ def decode_chunks(
     channels-last activations and weights, the norm fused further, and the steady chunk
     replayed as a CUDA graph; frames close to eager's but not bit-identical (the bench
     reports PSNR). It needs a CUDA GPU and Triton; elsewhere it runs ``exact``, said once.
+    ``strict=True`` raises :class:`~nostall.DegradedError` instead of either fallback
+    (:func:`~nostall.video.decode_to_file` also records them in its result).
 
     ``devices`` (``mode="exact"`` only): two or more CUDA GPUs, the first the one the VAE
     and the latents are on. The decoder runs as a pipeline of stages, one per GPU (see
@@ -284,15 +302,32 @@ def decode_chunks(
     closed early, or fails. Only one chunk is held by the generator at a time: drop or
     move each chunk before asking for the next to keep device memory flat.
 
-    Example::
+    Example (a tiny Wan 2.1 VAE; Wan 2.1's real one turns ``(1, 16, 21, 60, 104)``
+    latents into chunks of ``(1, 3, 1, 480, 832)``, then ``(1, 3, 4, 480, 832)``)::
 
-        >>> for chunk in decode_chunks(vae, z):   # z: (1, 16, 21, 60, 104)
-        ...     print(tuple(chunk.shape))
-        (1, 3, 1, 480, 832)
-        (1, 3, 4, 480, 832)
-        ...
+        >>> from diffusers import AutoencoderKLWan
+        >>> vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1).eval()
+        >>> z = torch.randn(1, 16, 3, 4, 4)
+        >>> with torch.inference_mode():
+        ...     for chunk in decode_chunks(vae, z):
+        ...         print(tuple(chunk.shape))
+        (1, 3, 1, 32, 32)
+        (1, 3, 4, 32, 32)
+        (1, 3, 4, 32, 32)
     """
-    internals = _WanInternals(vae, mode=mode, devices=devices)
+    return open_chunks(vae, z, mode=mode, devices=devices, strict=strict)[0]
+
+
+def open_chunks(
+    vae: AutoencoderKLWan,
+    z: torch.Tensor,
+    *,
+    mode: str,
+    devices: Sequence[str | torch.device] | None,
+    strict: bool,
+) -> tuple[Iterator[torch.Tensor], tuple[str, ...]]:
+    """:func:`decode_chunks`, also returning a sentence per fallback from the mode asked."""
+    internals = _WanInternals(vae, mode=mode, devices=devices, strict=strict)
     check_latents(vae, z)
     if internals.would_tile(z):
         h, w = z.shape[-2:]
@@ -302,7 +337,7 @@ def decode_chunks(
             f"vae.decode would tile them. Call vae.disable_tiling() before streaming (one "
             f"chunk at a time already bounds memory), or decode with vae.decode(z)"
         )
-    return _decode_chunks(internals, z)
+    return _decode_chunks(internals, z), tuple(internals.degraded)
 
 
 def _decode_chunks(internals: _WanInternals, z: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -417,7 +452,12 @@ def _exact_decoder(
     devices: list[torch.device] | None = None,
     *,
     fast: bool = False,
+    asked: str = "exact",
+    strict: bool = False,
+    degraded: list[str] | None = None,
 ) -> ExactDecoder | None:
+    """The decoder for ``exact``/``fast``, or ``None`` (decode eagerly) where nostall's
+    forward cannot run it; that fallback is appended to ``degraded`` as a sentence."""
     why = unsupported_reason(decoder, wan_module)
     if why is not None and devices:
         raise UnsupportedError(
@@ -425,9 +465,23 @@ def _exact_decoder(
             f"devices={[str(d) for d in devices]}; decode on one GPU"
         )
     if why is not None:
+        if strict:
+            raise DegradedError(
+                f"mode={asked!r} was asked for with strict=True, but nostall's forward "
+                f"cannot run this decoder ({why}); decode with mode='eager', or pass "
+                "strict=False to decode eagerly and have the result say so",
+                requested=f"mode={asked!r}",
+                fallback="mode='eager'",
+                reason=why,
+            )
         if why not in _WARNED:  # once per reason, not once per video
             _WARNED.add(why)
             log.warning("mode='exact' cannot run this decoder (%s); decoding eagerly", why)
+        if degraded is not None:
+            degraded.append(
+                f"mode={asked!r} was asked for, but nostall's forward cannot run this decoder "
+                f"({why}); it was decoded with mode='eager' (vae.decoder as is) instead"
+            )
         return None
     if fast:
         return FastDecoder(decoder, wan_module)
@@ -514,6 +568,7 @@ class _WanInternals:
         *,
         mode: str = "eager",
         devices: Sequence[str | torch.device] | None = None,
+        strict: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ArgumentError(
@@ -555,17 +610,41 @@ class _WanInternals:
         conv = wan_module.WanCausalConv3d
         self._cache_slots = sum(isinstance(m, conv) for m in decoder.modules())
         self.mode = mode
+        # The fallbacks from the mode asked for, one sentence each (DecodeResult.degraded).
+        self.degraded: list[str] = []
         self._exact: ExactDecoder | None = None
+        asked = mode
         if mode == "fast":
             missing = _fast_missing(vae_placement(vae)[0])
             if missing is not None:
+                if strict:
+                    raise DegradedError(
+                        f"mode='fast' was asked for with strict=True, but it needs {missing}; "
+                        "decode with mode='exact' (same frames as eager), or pass "
+                        "strict=False to run exact and have the result say so",
+                        requested="mode='fast'",
+                        fallback="mode='exact'",
+                        reason=f"needs {missing}",
+                    )
                 _warn_once(f"mode='fast' needs {missing}; decoding with mode='exact'")
+                self.degraded.append(
+                    f"mode='fast' was asked for, but it needs {missing}; it was decoded with "
+                    "mode='exact' instead"
+                )
                 mode = self.mode = "exact"
         if mode in ("exact", "fast"):
             devs = None
             if devices is not None:
                 devs = check_devices(devices, vae_placement(vae)[0])
-            self._exact = _exact_decoder(decoder, wan_module, devs, fast=mode == "fast")
+            self._exact = _exact_decoder(
+                decoder,
+                wan_module,
+                devs,
+                fast=mode == "fast",
+                asked=asked,
+                strict=strict,
+                degraded=self.degraded,
+            )
             if self._exact is None:
                 self.mode = "eager"
 
