@@ -65,3 +65,39 @@ def make_sharded(folder, tensors, stem="model", shards=2):
     index = folder / f"{stem}.safetensors.index.json"
     index.write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
     return index
+
+
+def skip_unless_read_mode_runs(mode: str, folder) -> None:
+    """Skip unless files in ``folder`` can be read with ``mode`` as asked: ``"direct"``
+    needs a file system that takes ``O_DIRECT`` (tmpfs and some overlay or FUSE mounts
+    refuse it, and nostall would then read buffered: a case parametrised as "direct"
+    must not silently test buffered reads). Probed with plain ``os`` calls."""
+    import errno
+    import mmap
+    import os
+    import tempfile
+
+    import pytest
+
+    if mode != "direct":
+        return
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        pytest.skip("read mode 'direct' cannot run: this platform has no O_DIRECT")
+    fd, probe = tempfile.mkstemp(dir=folder, prefix=".o-direct-probe-")
+    with os.fdopen(fd, "wb") as f:
+        f.write(bytes(4096))
+    buf = mmap.mmap(-1, 4096)  # page-aligned, as O_DIRECT needs
+    try:
+        fd = os.open(probe, os.O_RDONLY | flag)
+        try:
+            os.preadv(fd, [buf], 0)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        pytest.skip(f"read mode 'direct' cannot run: {folder} refuses O_DIRECT ({e.strerror})")
+    finally:
+        buf.close()
+        os.unlink(probe)

@@ -10,10 +10,12 @@ import time
 
 import pytest
 
-from nostall.errors import CheckpointError, ClosedError, ReadError
+from nostall.errors import ArgumentError, CheckpointError, ClosedError, DegradedError, ReadError
 from nostall.io import ParallelReader, ReadRequest, open_backend
 from nostall.io import backends as backends_mod
 from nostall.io.backends import BufferedBackend, DirectBackend
+
+from support import skip_unless_read_mode_runs
 
 
 @pytest.fixture
@@ -27,7 +29,9 @@ def data_file(tmp_path):
 @pytest.mark.parametrize("mode", ["buffered", "direct"])
 def test_backends_read_exact_bytes(data_file, mode):
     path, payload = data_file
+    skip_unless_read_mode_runs(mode, os.path.dirname(path))
     with open_backend(path, mode, block_bytes=64 << 10) as r:
+        assert r.name == mode and r.degraded is None  # the backend the case is named for
         buf = mmap.mmap(-1, len(payload) + 8192)  # page-aligned, room for the aligned tail
         mv = memoryview(buf)
         got = r.read_into(mv[: (len(payload) + 4095) // 4096 * 4096], 0)
@@ -36,16 +40,50 @@ def test_backends_read_exact_bytes(data_file, mode):
         mv.release()
 
 
-def test_direct_falls_back_with_a_logged_reason(data_file, monkeypatch, caplog):
-    path, _ = data_file
-
+def _refuse_direct_open(monkeypatch):
     def refuse(self, p):
         raise backends_mod.UnsupportedBackend("the file system refuses O_DIRECT (test)")
 
     monkeypatch.setattr(DirectBackend, "_open", refuse)
+
+
+def test_direct_falls_back_with_a_logged_and_recorded_reason(data_file, monkeypatch, caplog):
+    path, _ = data_file
+    _refuse_direct_open(monkeypatch)
     with caplog.at_level(logging.WARNING), open_backend(path, "direct", block_bytes=1 << 20) as r:
         assert r.name == "buffered"
+        said = r.degraded
     assert "direct I/O unavailable" in caplog.text and path in caplog.text
+    assert said is not None and path in said and "refuses O_DIRECT (test)" in said
+    assert "read_mode='direct'" in said and "read_mode='buffered'" in said
+
+
+def test_direct_refused_with_strict_raises_and_leaks_no_descriptor(data_file, monkeypatch):
+    path, _ = data_file
+    _refuse_direct_open(monkeypatch)
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(DegradedError, match="strict=True") as info:
+        open_backend(path, "direct", block_bytes=1 << 20, strict=True)
+    err = info.value
+    assert err.requested == "read_mode='direct'" and err.fallback == "read_mode='buffered'"
+    assert "refuses O_DIRECT (test)" in err.reason and path in str(err)
+    assert isinstance(err.__cause__, backends_mod.UnsupportedBackend)
+    assert set(os.listdir("/proc/self/fd")) == before
+
+
+def test_direct_that_runs_is_not_degraded(data_file, monkeypatch):
+    path, _ = data_file
+    # tmp_path may be tmpfs (which refuses O_DIRECT): open without the flag instead.
+    monkeypatch.setattr(DirectBackend, "_open", lambda self, p: os.open(p, os.O_RDONLY))
+    with open_backend(path, "direct", block_bytes=1 << 20, strict=True) as r:
+        assert r.name == "direct" and r.degraded is None
+
+
+@pytest.mark.parametrize("mode", ["auto", "buffered"])
+def test_modes_that_ask_for_no_direct_io_are_never_degraded(data_file, mode):
+    path, _ = data_file
+    with open_backend(path, mode, block_bytes=1 << 20, strict=True) as r:
+        assert r.name == "buffered" and r.degraded is None
 
 
 def test_direct_probe_refusal_falls_back(data_file, monkeypatch, caplog):
@@ -62,13 +100,19 @@ def test_direct_probe_refusal_falls_back(data_file, monkeypatch, caplog):
     monkeypatch.setattr(backends_mod.os, "preadv", einval_once)
     with caplog.at_level(logging.WARNING), open_backend(path, "direct", block_bytes=1 << 20) as r:
         assert isinstance(r, BufferedBackend)
+        assert r.degraded is not None and "O_DIRECT read refused" in r.degraded
+    calls["n"] = 0
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(DegradedError, match="O_DIRECT read refused"):
+        open_backend(path, "direct", block_bytes=1 << 20, strict=True)
+    assert set(os.listdir("/proc/self/fd")) == before  # the probed descriptor was closed
 
 
 def test_unknown_mode_and_bad_block_size(data_file):
     path, _ = data_file
-    with pytest.raises(ValueError, match="read mode"):
+    with pytest.raises(ArgumentError, match="read mode"):
         open_backend(path, "mmap", block_bytes=1 << 20)
-    with pytest.raises(ValueError, match="multiple of 4096"):
+    with pytest.raises(ArgumentError, match="multiple of 4096"):
         open_backend(path, "buffered", block_bytes=1000)
 
 
@@ -145,7 +189,7 @@ def test_parallel_reader_error_cancels_the_rest(data_file):
 
         def slow(cancel, q=None):
             started.append(1)
-            time.sleep(0.01)
+            time.sleep(0.01)  # a slow read (the work itself): most are still queued at the failure
             return memoryview(bytearray(64 << 10))
 
         reqs[1] = ReadRequest(r, 0, 10, 10, boom, tag="bad")

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import subprocess
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from nostall.errors import ArgumentError, BusyError, ClosedError, NostallError, PoolExhausted
+from nostall.memory.host import PAGE
 from nostall.memory.pool import GRANULE, PinnedPool, size_class
 
 MB = 1_000_000
@@ -206,11 +208,22 @@ def test_cgroup_limits_v1_and_v2(tmp_path):
 
 def test_close_waits_for_a_block_another_thread_holds(pool):
     held = pool.allocate(8 << 20, key="k")
-    threading.Timer(0.3, held.release).start()
-    t = time.perf_counter()
+    order = []
+
+    def holder():
+        deadline = time.monotonic() + 10
+        while not pool.closed and time.monotonic() < deadline:  # close() has begun
+            time.sleep(0.001)
+        order.append(("released", pool.arena._map is not None))
+        held.release()
+
+    t = threading.Thread(target=holder)
+    t.start()
     pool.close()
-    assert time.perf_counter() - t >= 0.25  # it waited for the holder, not pulled the memory
-    assert pool.closed
+    order.append(("closed", pool.arena._map is not None))
+    t.join(10)
+    # It waited for the holder, the memory still mapped until then, and pulled it after.
+    assert order == [("released", True), ("closed", False)]
 
 
 def test_close_refuses_with_busy_error_then_succeeds_after_release():
@@ -236,21 +249,41 @@ def test_a_dropped_pool_stops_pinning_and_unmaps():
 
 
 def test_pool_open_at_exit_is_torn_down(tmp_path):
-    # The README's pattern: create a pool and exit while it may still be pinning. The
-    # pin thread must be stopped and joined by the pool's exit hook, not killed mid-call.
+    # The README's pattern: create a pool and exit while it is still pinning. The pin
+    # thread must be stopped and joined by the pool's exit hook, not killed mid-call, and
+    # every segment it registered unregistered. A fake CUDA runtime holds the first
+    # registration until the script's own exit hook runs, so pinning is under way then.
     code = (
+        "import atexit, threading, torch\n"
         "import nostall.memory.host as h, nostall\n"
+        "inside, ended = threading.Event(), threading.Event()\n"
+        "calls = {'register': 0, 'unregister': 0}\n"
+        "class Cudart:\n"
+        "    def cudaHostRegister(self, ptr, size, flags):\n"
+        "        calls['register'] += 1\n"
+        "        inside.set()\n"
+        "        ended.wait(30)\n"
+        "        return 0\n"
+        "    def cudaHostUnregister(self, ptr):\n"
+        "        calls['unregister'] += 1\n"
+        "        return 0\n"
+        "torch.cuda.cudart = Cudart\n"
         "orig = h.HostArena.close\n"
         "def close(self):\n"
-        "    print('teardown', flush=True)\n"
         "    orig(self)\n"
+        "    print('teardown', calls['register'], calls['unregister'], flush=True)\n"
         "h.HostArena.close = close\n"
-        "pool = nostall.PinnedPool(256 << 20, slab_bytes=2 << 20, pin=False)\n"
+        "pool = nostall.PinnedPool(256 << 20, slab_bytes=2 << 20, pin=True)\n"
+        "assert inside.wait(30)\n"
+        "atexit.register(ended.set)  # runs before the pool's hook: exit hooks run LIFO\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("teardown") == 1
     assert "Traceback" not in out.stderr
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("teardown")]
+    registered, unregistered = map(int, line.split()[1:])
+    assert 1 <= registered < 128  # stopped mid-way, not left to pin all 128 slabs
+    assert unregistered == registered
 
 
 class _GateEvent:
@@ -298,6 +331,81 @@ def test_invalidated_block_is_not_cached(pool):
     assert pool.stats().blocks == 0
 
 
-def test_stats_without_cuda_report_nothing_pinned(pool):
+class _FakeCudart:
+    """Records registrations; refuses the ``refuse``-th one (0-based) as a host may."""
+
+    def __init__(self, refuse: int | None = None):
+        self.refuse = refuse
+        self.registered: list[tuple[int, int, int]] = []
+        self.unregistered: list[int] = []
+        self.calls = 0
+
+    def cudaHostRegister(self, ptr, size, flags):
+        self.calls += 1
+        if self.calls - 1 == self.refuse:
+            return 2  # cudaErrorMemoryAllocation
+        self.registered.append((ptr, size, flags))
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
+        return 0
+
+
+def test_pinned_stat_counts_what_cuda_registered_and_close_unregisters_it(monkeypatch):
+    fake = _FakeCudart(refuse=1)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    pool = PinnedPool(64 << 20, slab_bytes=16 << 20, pin=True)
+    assert pool.wait_pinned(timeout=30)
+    # Four slabs, the second refused: it stays pageable and is not counted as pinned.
+    assert pool.stats().pinned == 48 << 20
+    base = pool.arena.address
+    assert [(p - base, n) for p, n, _ in fake.registered] == [
+        (0, 16 << 20),
+        (32 << 20, 16 << 20),
+        (48 << 20, 16 << 20),
+    ]
+    assert {f for _, _, f in fake.registered} == {1}  # portable: every GPU copies at speed
+    assert "pinned=50331648" in repr(pool)
+    pool.close()
+    assert sorted(fake.unregistered) == [p for p, _, _ in fake.registered]
     assert pool.stats().pinned == 0
-    assert "PinnedPool(" in repr(pool)
+
+
+def test_a_pool_that_does_not_pin_never_calls_cuda(monkeypatch):
+    fake = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    with PinnedPool(64 << 20, slab_bytes=16 << 20, pin=False) as p:
+        assert p.wait_pinned(timeout=0)  # nothing to wait for
+        b = p.allocate(32 << 20)
+        b.tensor.fill_(7)
+        b.release()
+        assert p.stats().pinned == 0
+    assert fake.calls == 0 and fake.unregistered == []
+
+
+def _resident(address: int, length: int) -> int:
+    """Bytes of ``[address, address + length)`` in RAM now (``mincore``; Linux)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    vec = (ctypes.c_ubyte * (-(-length // PAGE)))()
+    if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length), vec) != 0:
+        pytest.skip(f"mincore failed (errno {ctypes.get_errno()}): residency is not observable")
+    return int(torch.frombuffer(vec, dtype=torch.uint8).bitwise_and(1).sum()) * PAGE
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore residency is Linux's")
+def test_a_pageable_pool_touches_only_the_blocks_that_are_written():
+    # Touching every page of a pin=False pool at construction made a test process
+    # reach 13 GiB RSS. Slack: a transparent huge page may fault in around an edge.
+    slack = 8 << 20
+    with PinnedPool(512 << 20, slab_bytes=64 << 20, pin=False) as p:
+        assert p.wait_pinned(timeout=30)
+        start, size = p.arena.address, p.arena.nbytes
+        assert _resident(start, size) < slack
+        b = p.allocate(64 << 20)
+        assert _resident(start, size) < slack  # carving a block touches nothing either
+        b.tensor.fill_(1)
+        inside = _resident(start + b.offset, b.size)
+        assert inside == b.size
+        assert _resident(start, size) - inside < slack
+        b.release()

@@ -25,6 +25,28 @@ def _reference(store, name, *, prompt="a cat", size=32, steps=2, seed=0, **kw):
     return np.asarray(image)
 
 
+def _wait_for(condition, what: str, timeout: float = 30.0) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout} s for {what}"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def shared_server(store):
+    """One worker for the tests that leave nothing another test asserts on (bad requests,
+    unknown models): starting and stopping a worker and its server each time cost more
+    than the requests themselves."""
+    from nostall.serve.app import create_app
+    from nostall.serve.local import BackgroundServer
+    from nostall.serve.worker import Worker
+
+    worker = Worker(store, device="cpu", gpu_budget=64 << 20, host_budget=64 << 20, prepare=False)
+    with BackgroundServer(create_app(worker)) as server:
+        yield server
+
+
 def _body(model="flux", **kw):
     body = {"model": model, "prompt": "a cat", "size": "32x32", "steps": 2, "seed": 0}
     if model == "flux":
@@ -72,9 +94,8 @@ def test_images_equal_diffusers_for_the_seed_and_carry_their_phases(serve, store
         (_body(seed=-5), 422, "seed=-5"),
     ],
 )
-def test_bad_requests_get_clear_4xx_and_the_worker_keeps_serving(serve, body, status, says):
-    server, _ = serve(prepare=False)
-    with httpx.Client(base_url=server.url, timeout=120) as c:
+def test_bad_requests_get_clear_4xx_and_the_worker_keeps_serving(shared_server, body, status, says):
+    with httpx.Client(base_url=shared_server.url, timeout=120) as c:
         kw = {"content": body} if isinstance(body, str) else {"json": body}
         r = c.post("/v1/images/generations", **kw)
         assert r.status_code == status, r.text
@@ -82,9 +103,9 @@ def test_bad_requests_get_clear_4xx_and_the_worker_keeps_serving(serve, body, st
         assert c.post("/v1/images/generations", json=_body()).status_code == 200
 
 
-def test_unknown_model_is_404_listing_the_models(serve):
-    server, _ = serve(prepare=False)
-    r = httpx.post(f"{server.url}/v1/images/generations", json=_body("flux-pro"), timeout=30)
+def test_unknown_model_is_404_listing_the_models(shared_server):
+    url = shared_server.url
+    r = httpx.post(f"{url}/v1/images/generations", json=_body("flux-pro"), timeout=30)
     assert r.status_code == 404
     err = r.json()["error"]
     assert "flux-pro" in err["message"] and set(err["models"]) == {"flux", "sdxl", "sd3", "wan"}
@@ -111,9 +132,7 @@ def test_a_full_queue_answers_429_and_every_accepted_request_is_served(serve, mo
     threads = [threading.Thread(target=post, args=(s,)) for s in range(6)]
     for t in threads:
         t.start()
-    deadline = time.time() + 30
-    while sum(r.status_code == 429 for r in results) < 3 and time.time() < deadline:
-        time.sleep(0.05)
+    _wait_for(lambda: sum(r.status_code == 429 for r in results) == 3, "three 429 answers")
     gate.set()
     for t in threads:
         t.join(120)
@@ -205,8 +224,7 @@ def test_shutdown_finishes_the_running_job_and_fails_the_queued(serve, monkeypat
     assert started.wait(30)
     second = threading.Thread(target=post, args=(2,))
     second.start()
-    while not worker.status()["queue"]:
-        time.sleep(0.02)
+    _wait_for(lambda: worker.status()["queue"], "the second request to be queued")
     stopper = threading.Thread(target=worker.shutdown)
     stopper.start()
     second.join(60)
@@ -233,6 +251,15 @@ def test_a_client_that_leaves_while_queued_is_skipped(serve, monkeypatch):
 
     monkeypatch.setattr(worker_mod.Worker, "_image", slow)
     server, worker = serve(prepare=False)
+    gone: list[threading.Event] = []  # per submitted job: set when its client has left
+    real_submit = worker.submit
+
+    def submit(job):
+        future, left = real_submit(job)
+        gone.append(left)
+        return future, left
+
+    monkeypatch.setattr(worker, "submit", submit)
     first = threading.Thread(
         target=httpx.post,
         args=(f"{server.url}/v1/images/generations",),
@@ -242,7 +269,7 @@ def test_a_client_that_leaves_while_queued_is_skipped(serve, monkeypatch):
     assert started.wait(30)
     with pytest.raises(httpx.ReadTimeout):  # the client gives up while queued
         httpx.post(f"{server.url}/v1/images/generations", json=_body(seed=2), timeout=0.5)
-    time.sleep(0.5)  # the server notices within its 0.2 s poll
+    assert len(gone) == 2 and gone[1].wait(30)  # the server noticed, before seed 2 could run
     gate.set()
     first.join(60)
     r = httpx.post(f"{server.url}/v1/images/generations", json=_body(seed=3), timeout=120)
@@ -275,8 +302,7 @@ def test_the_next_queued_model_is_prefetched_while_the_current_one_runs(serve, m
     assert started.wait(30)
     b = threading.Thread(target=post, args=("sdxl", _body("sdxl")))
     b.start()
-    while not worker.status()["queue"]:
-        time.sleep(0.02)
+    _wait_for(lambda: worker.status()["queue"], "the sdxl request to be queued")
     gate.set()
     a.join(60)
     b.join(60)

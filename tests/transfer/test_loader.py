@@ -11,11 +11,25 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import nostall
-from nostall.errors import CheckpointError, ClosedError, DeviceError, PoolExhausted, ReadError
-from nostall.io.base import ReadBackend
+from nostall.errors import (
+    CheckpointError,
+    ClosedError,
+    DegradedError,
+    DeviceError,
+    PoolExhausted,
+    ReadError,
+)
+from nostall.io.backends import DirectBackend
+from nostall.io.base import ReadBackend, UnsupportedBackend
 from nostall.transfer.loader import Loader
 
-from support import assert_same, bits, make_sharded, sample_tensors
+from support import (
+    assert_same,
+    bits,
+    make_sharded,
+    sample_tensors,
+    skip_unless_read_mode_runs,
+)
 
 
 @pytest.fixture
@@ -44,21 +58,25 @@ def big_file(tmp_path):
 
 @pytest.mark.parametrize("mode", ["buffered", "direct"])
 def test_equal_to_safetensors_every_dtype(loader, ckpt_file, mode):
+    skip_unless_read_mode_runs(mode, ckpt_file.parent)
     loader.read_mode = mode
     result = loader.load(ckpt_file)
     assert_same(result.tensors, load_file(str(ckpt_file)))
     assert result.metadata == {"format": "pt", "origin": "test"}
     s = result.stats
-    assert s.scenario == "read" and s.path == "host" and s.read_mode in (mode, "buffered")
+    assert s.scenario == "read" and s.path == "host"
+    assert s.read_mode == mode and s.degraded == ()  # the backend the case is named for
     assert s.nbytes == sum(t.numel() * t.element_size() for t in result.tensors.values())
 
 
 @pytest.mark.parametrize("mode", ["buffered", "direct"])
 def test_pool_read_then_memory_cache_hit(loader, pool, big_file, mode):
+    skip_unless_read_mode_runs(mode, big_file.parent)
     loader.read_mode = mode
     ref = load_file(str(big_file))
     first = loader.load(big_file, pool=pool)
     assert first.stats.scenario == "read" and first.stats.path == "pool"
+    assert first.stats.read_mode == mode and first.stats.degraded == ()
     assert_same(first.tensors, ref)
     second = loader.load(big_file, pool=pool)
     assert second.stats.scenario == "memory-cache hit" and second.stats.read_s == 0
@@ -67,6 +85,40 @@ def test_pool_read_then_memory_cache_hit(loader, pool, big_file, mode):
     assert first.tensors["big"].data_ptr() != second.tensors["big"].data_ptr()
     s = pool.stats()
     assert s.blocks == 1 and s.in_use == 0 and s.cached > 0
+
+
+def _refuse_direct(monkeypatch):
+    def refuse(self, path):
+        raise UnsupportedBackend("the file system refuses O_DIRECT (test)")
+
+    monkeypatch.setattr(DirectBackend, "_open", refuse)
+
+
+@pytest.mark.parametrize("use_pool", [False, True])
+def test_refused_direct_reads_buffered_and_the_stats_say_so(ckpt_file, pool, monkeypatch, use_pool):
+    _refuse_direct(monkeypatch)
+    with Loader(threads=2, read_mode="direct") as ld:
+        result = ld.load(ckpt_file, pool=pool if use_pool else None)
+    assert_same(result.tensors, load_file(str(ckpt_file)))
+    s = result.stats
+    assert s.read_mode == "buffered" and len(s.degraded) == 1
+    said = s.degraded[0]
+    assert str(ckpt_file) in said and "read_mode='direct'" in said and "(test)" in said
+
+
+def test_refused_direct_with_strict_raises_and_keeps_nothing(ckpt_file, pool, monkeypatch):
+    _refuse_direct(monkeypatch)
+    with Loader(threads=2, read_mode="direct", strict=True) as ld:
+        with pytest.raises(DegradedError, match="strict=True") as info:
+            ld.load(ckpt_file, pool=pool)
+        assert info.value.fallback == "read_mode='buffered'"
+        assert pool.stats().in_use == 0 and pool.stats().cached == 0
+        # Where direct I/O runs, the same strict loader loads (tmp_path may be tmpfs, which
+        # refuses O_DIRECT: open without the flag instead).
+        monkeypatch.setattr(DirectBackend, "_open", lambda self, p: os.open(p, os.O_RDONLY))
+        result = ld.load(ckpt_file)
+    assert result.stats.read_mode == "direct" and result.stats.degraded == ()
+    assert_same(result.tensors, load_file(str(ckpt_file)))
 
 
 def test_cpu_loads_through_a_pool_cannot_change_the_cache(loader, pool, big_file):
@@ -83,12 +135,26 @@ def test_cpu_loads_through_a_pool_cannot_change_the_cache(loader, pool, big_file
     assert torch.equal(first["big"], ref["big"] + 1.0)  # the caller's change is kept
 
 
+def _wait_for_the_file_clock_to_pass(folder, ns: int) -> None:
+    """Return once a file written in ``folder`` gets a ctime after ``ns``: file times tick
+    coarsely (a kernel jiffy), and a rewrite within the same tick keeps the ctime that
+    identifies the old bytes."""
+    probe = folder / ".clock-probe"
+    deadline = time.monotonic() + 5
+    while True:
+        probe.write_bytes(b"x")
+        if probe.stat().st_ctime_ns > ns:
+            break
+        assert time.monotonic() < deadline, f"the file clock stayed at {ns} ns for 5 s"
+    probe.unlink()
+
+
 def test_rewrite_in_place_restoring_mtime_is_not_served_stale(loader, pool, tmp_path):
     path = tmp_path / "m.safetensors"
     save_file({"w": torch.zeros(1000)}, str(path))
     loader.load(path, pool=pool)
     st = os.stat(path)
-    time.sleep(0.05)  # ctime ticks coarsely
+    _wait_for_the_file_clock_to_pass(tmp_path, st.st_ctime_ns)
     new = tmp_path / "new.safetensors"
     save_file({"w": torch.ones(1000)}, str(new))
     with open(path, "r+b") as f:  # same inode, same size
@@ -185,7 +251,7 @@ def test_changed_file_is_not_served_from_cache(loader, pool, tmp_path):
     path = tmp_path / "m.safetensors"
     save_file({"w": torch.zeros(10)}, str(path))
     loader.load(path, pool=pool)
-    time.sleep(0.01)
+    _wait_for_the_file_clock_to_pass(tmp_path, os.stat(path).st_ctime_ns)
     save_file({"w": torch.ones(10)}, str(path))
     result = loader.load(path, pool=pool)
     assert result.stats.scenario == "read"

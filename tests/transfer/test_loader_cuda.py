@@ -11,7 +11,7 @@ from nostall.errors import ReadError
 from nostall.io.base import ReadBackend
 from nostall.transfer.loader import Loader
 
-from support import assert_same, bits, sample_tensors
+from support import assert_same, bits, sample_tensors, skip_unless_read_mode_runs
 
 pytestmark = pytest.mark.cuda
 
@@ -51,6 +51,7 @@ def test_pool_memory_is_page_locked(pool):
 
 @pytest.mark.parametrize("mode", ["buffered", "direct"])
 def test_ring_path_equals_safetensors(big_file, mode):
+    skip_unless_read_mode_runs(mode, big_file.parent)
     # 2 slots of 64 KiB for a 16 MB file: every slot is reused ~120 times, so a
     # missing event wait would overwrite bytes the copy engine has not read yet.
     with Loader(threads=4, read_mode=mode, ring_slots=2, ring_slot_bytes=64 << 10) as ld:
@@ -58,6 +59,7 @@ def test_ring_path_equals_safetensors(big_file, mode):
     ref = load_file(str(big_file), device="cuda")
     assert_same(result.tensors, ref)
     assert result.stats.path == "ring" and result.stats.h2d_s > 0
+    assert result.stats.read_mode == mode and result.stats.degraded == ()
 
 
 def test_device_views_share_one_allocation(big_file):

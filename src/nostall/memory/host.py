@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import torch
 
-from nostall.errors import ClosedError, DeviceError
+from nostall.errors import ArgumentError, ClosedError, DeviceError
 
 __all__ = [
     "PAGE",
@@ -63,8 +63,10 @@ class HostArena:
     the mapping itself is freed when the last view is gone, by Python's buffer
     protocol, so a stale view can never point at unmapped memory).
 
-    Pinning is explicit and incremental: :meth:`pin_segment` touches a segment's
-    pages and registers them with CUDA. Without CUDA, pinning only touches.
+    Construction reserves address space only (``MAP_NORESERVE``): no page is resident
+    until something touches it. Pinning is explicit and incremental: :meth:`pin_segment`
+    touches a segment's pages and registers them with CUDA; ``register=False`` only
+    touches (callers that never register need not call it: writes fault pages in).
 
     ``device`` is the GPU whose CUDA context registers (and later unregisters) the
     pages. The registration is *portable*, so copies to every GPU of the process run
@@ -73,10 +75,11 @@ class HostArena:
     GPU 0 just because it pinned memory (default: the calling thread's current GPU).
 
     >>> arena = HostArena(64 << 20, segment_bytes=32 << 20)
-    >>> for i in range(arena.num_segments):
-    ...     arena.pin_segment(i, register=False)
+    >>> [arena.pin_segment(i, register=False) for i in range(arena.num_segments)]  # touched, not registered
+    [False, False]
     >>> arena.tensor.numel()
     67108864
+    >>> arena.close()
     """
 
     def __init__(
@@ -88,9 +91,9 @@ class HostArena:
         device: int | None = None,
     ):
         if nbytes <= 0:
-            raise ValueError(f"arena size must be positive, got {nbytes}")
+            raise ArgumentError(f"arena size must be positive, got {nbytes}")
         if segment_bytes <= 0 or segment_bytes % PAGE:
-            raise ValueError(f"segment_bytes={segment_bytes} must be a positive multiple of {PAGE}")
+            raise ArgumentError(f"segment_bytes={segment_bytes}: not a positive multiple of {PAGE}")
         self.nbytes = round_up(nbytes, PAGE)
         self.segment_bytes = segment_bytes
         self.device = device

@@ -217,6 +217,12 @@ class _Pinning:
                 self.cond.notify_all()
             log.exception("pinning the pool failed")
 
+    def skip(self) -> None:
+        """Count every slab as ready without touching it (a pool that does not pin)."""
+        with self.cond:
+            self.upto = self.arena.num_segments
+            self.cond.notify_all()
+
     def wait(self, upto: int, timeout: float | None) -> bool:
         with self.cond:
             ok = self.cond.wait_for(
@@ -250,7 +256,8 @@ class PinnedPool:
     The constructor reserves ``capacity`` bytes of address space and starts a
     background thread that pins it slab by slab (``slab_bytes`` per CUDA
     registration); :meth:`wait_pinned` waits for it. Without CUDA (or with
-    ``pin=False``) the same pool hands out page-aligned pageable memory.
+    ``pin=False``) the same pool hands out page-aligned pageable memory, and
+    reserves only address space: no page is touched until a block's holder writes it.
 
     One pool serves every GPU of the process: the pages are registered as
     *portable*, so copies to any GPU run at link speed from them. ``device`` names
@@ -302,14 +309,19 @@ class PinnedPool:
         self._state = "open"  # open → closing → closed
         self._pinning = _Pinning(self.arena, self.pin, self.device)
         self._pinner: threading.Thread | None = None
-        if background:
+        if not self.pin:
+            # Pageable memory has nothing to lock, and touching every page up front made
+            # the whole budget resident (a test process reached 13 GiB RSS) for blocks that
+            # may never be carved: a page is first touched by whoever writes its block.
+            self._pinning.skip()
+        elif background:
             self._pinner = threading.Thread(
                 target=self._pinning.run, name="nostall-pool-pin", daemon=True
             )
         self._finalizer = weakref.finalize(self, _teardown, self._pinning, self._pinner, self.arena)
         if self._pinner is not None:
             self._pinner.start()
-        else:
+        elif self.pin:
             self._pinning.run()
 
     # ---- level 1: slabs ----------------------------------------------------------
