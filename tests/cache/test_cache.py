@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -28,6 +30,17 @@ def cache(store, tmp_path):
 
 def _tiers(report):
     return {c.role: c.tier for c in report.components}
+
+
+def _wait_for(condition, what, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)  # the poll's interval: the condition, not the time, decides
+
+
+def _waits_for_room(caplog):
+    return lambda: any("waits for room" in r.getMessage() for r in caplog.records)
 
 
 def test_images_equal_from_pretrained_across_switches_and_back(store, cache):
@@ -116,7 +129,8 @@ def test_budgets_are_bytes_and_never_exceeded(store):
         assert "disk" in tiers.values() or "host" in tiers.values()
 
 
-def test_in_use_components_are_never_evicted_and_other_threads_wait(store):
+def test_in_use_components_are_never_evicted_and_other_threads_wait(store, caplog):
+    caplog.set_level("INFO", logger="nostall.cache")
     # Room for SDXL (1.6 MB) or FLUX (0.7 MB), not both.
     with nostall.ModelCache(
         store, device="cpu", gpu_budget=2_000_000, host_budget=64 * MB, wait_s=30
@@ -130,11 +144,55 @@ def test_in_use_components_are_never_evicted_and_other_threads_wait(store):
             got = []
             t = threading.Thread(target=lambda: got.append(c.pipeline("flux")))
             t.start()
-            time.sleep(0.3)
+            _wait_for(_waits_for_room(caplog), "the other thread to wait for room")
             assert not got  # waits for the room sdxl holds
             assert np.array_equal(run(pipe, "sdxl"), reference(store, "sdxl"))
         t.join(20)
         assert got and np.array_equal(run(got[0], "flux"), reference(store, "flux"))
+
+
+def test_a_use_block_left_on_another_thread_is_not_the_entering_threads_hold(store, caplog):
+    # asyncio.to_thread may enter a use() block on one worker thread and leave it on
+    # another. Counted per thread id, the entering thread kept the count: a later switch
+    # there took another caller's hold for its own and refused at once, instead of
+    # waiting for it to end.
+    caplog.set_level("INFO", logger="nostall.cache")
+    with (
+        nostall.ModelCache(
+            store, device="cpu", gpu_budget=2_000_000, host_budget=64 * MB, wait_s=60
+        ) as c,
+        ThreadPoolExecutor(1) as entering,  # one thread: the same one enters and switches
+    ):
+        block = c.use("sdxl")
+        entering.submit(block.__enter__).result(60)
+        leaving = threading.Thread(target=block.__exit__, args=(None, None, None))
+        leaving.start()
+        leaving.join(60)
+        assert all(s.uses == 0 for s in c._tier.slots.values())
+        with c.use("sdxl") as pipe:  # this thread holds SDXL now; FLUX needs its room
+            flux = entering.submit(c.pipeline, "flux")
+            _wait_for(lambda: flux.done() or _waits_for_room(caplog)(), "the switch to wait")
+            assert not flux.done(), flux.exception()
+            assert np.array_equal(run(pipe, "sdxl"), reference(store, "sdxl"))
+        assert np.array_equal(run(flux.result(60), "flux"), reference(store, "flux"))
+
+
+def test_use_blocks_entered_and_left_through_asyncio_to_thread(store, cache):
+    async def one(name):
+        block = cache.use(name)
+        pipe = await asyncio.to_thread(block.__enter__)
+        try:
+            return await asyncio.to_thread(run, pipe, name)
+        finally:
+            await asyncio.to_thread(block.__exit__, None, None, None)
+
+    async def main():
+        return await asyncio.gather(*(one(n) for n in ("sdxl", "flux", "sdxl", "flux")))
+
+    outs = asyncio.run(main())
+    refs = {n: reference(store, n) for n in ("sdxl", "flux")}
+    assert all(np.array_equal(o, refs[n]) for o, n in zip(outs, ("sdxl", "flux") * 2, strict=True))
+    assert all(s.uses == 0 for s in cache._tier.slots.values()) and len(cache._holds) == 0
 
 
 def test_a_working_set_larger_than_the_host_tier_does_not_cycle(store):
@@ -253,7 +311,7 @@ def test_stats_evict_and_close(store):
 
 
 def test_prepare_builds_modules_and_loads_tokenizers_at_boot(store, monkeypatch):
-    import nostall.cache.cache as cache_mod
+    import nostall.cache.modules as modules_mod
     import nostall.cache.pipelines as pipelines_mod
 
     with nostall.ModelCache(store, device="cpu", gpu_budget=64 * MB, host_budget=64 * MB) as c:
@@ -263,7 +321,7 @@ def test_prepare_builds_modules_and_loads_tokenizers_at_boot(store, monkeypatch)
         def refuse(*a, **k):
             raise AssertionError("built on the request path")
 
-        monkeypatch.setattr(cache_mod, "build_instance", refuse)
+        monkeypatch.setattr(modules_mod, "build_instance", refuse)
         monkeypatch.setattr(pipelines_mod, "_load_files", refuse)
         with c.use("flux") as pipe:
             out = run(pipe, "flux")
@@ -312,6 +370,20 @@ def _fp8_reference(folder, name, dtype=None):
     return run(pipe, name), set(parts)
 
 
+def _cpu_scaled_mm_takes_row_scales() -> bool:
+    import torch
+
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(
+            a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16),
+            out_dtype=torch.bfloat16,
+        )  # fmt: skip
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
 @pytest.mark.parametrize("compute", ["upcast", "tensor-cores"])
 def test_an_fp8_pipeline_is_served_as_load_model_builds_it(store, tmp_path, compute, monkeypatch):
     import shutil
@@ -322,6 +394,8 @@ def test_an_fp8_pipeline_is_served_as_load_model_builds_it(store, tmp_path, comp
 
     # the CPU's _scaled_mm stands in for a capable GPU's; it takes bf16 activations
     kw = {"dtype": torch.bfloat16} if compute == "tensor-cores" else {}
+    if compute == "tensor-cores" and not _cpu_scaled_mm_takes_row_scales():
+        pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm takes per-tensor scales only")
     monkeypatch.setattr(quant_modules, "fp8_compute", lambda device: (compute, "test"))
 
     dst = tmp_path / "models"
@@ -369,6 +443,58 @@ def test_a_switch_never_walks_the_process_page_tables(store, monkeypatch):
         assert calls == []
         c._host.pool.stats()  # the full snapshot still counts huge pages
         assert len(calls) == 1
+
+
+def test_the_default_host_budget_is_what_the_store_needs(store, tmp_path, monkeypatch):
+    # It was half the machine's memory: 13.4 GB for a 7 MB store.
+    import nostall.cache.cache as cache_mod
+    from nostall.cache import Store
+    from nostall.cache.host import store_bytes
+
+    s = Store(store, cache_dir=tmp_path)
+    need = store_bytes(s, 1 << 40)
+    with nostall.ModelCache(s, device="cpu", gpu_budget=64 * MB) as c:
+        assert c.stats().host_budget == need < 64 * MB
+        for name in s.names():
+            c.pipeline(name)
+        c.evict("gpu")
+        for name in s.names():  # the whole store stayed in the host tier
+            c.pipeline(name)
+            assert set(_tiers(c.last_report).values()) <= {"host", "device"}
+    monkeypatch.setattr(cache_mod, "memory_limit", lambda: (8 * MB, "cgroup"))
+    with nostall.ModelCache(s, device="cpu", gpu_budget=64 * MB) as c:
+        assert c.stats().host_budget == 4 * MB  # never more than half the memory limit
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's statm")
+def test_a_cpu_cache_commits_no_memory_up_front(store):
+    def resident():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = resident()
+    with nostall.ModelCache(store, device="cpu", gpu_budget=1 << 30, host_budget=1 << 30) as c:
+        c.prepare("sdxl")  # takes the device tier, waits for the host tier's "pinning"
+        assert resident() - before < 256 * MB  # not the 2 GiB of the two budgets
+
+
+def test_a_cache_takes_a_store_or_shares_its_folders(store, tmp_path):
+    from nostall.cache import Store
+
+    s = Store(store, cache_dir=tmp_path)
+    kw = dict(device="cpu", gpu_budget=64 * MB, host_budget=64 * MB)
+    with nostall.ModelCache(s, **kw) as c:
+        assert c.store is s
+        with pytest.raises(ArgumentError, match="variant"):
+            nostall.ModelCache(s, variant="fp16", **kw)
+    index = tmp_path / "index"
+    with (
+        nostall.ModelCache(store, cache_dir=index, **kw) as a,
+        nostall.ModelCache({"sdxl": store / "sdxl"}, cache_dir=index, **kw) as b,
+        nostall.ModelCache(store, cache_dir=index, **kw) as again,
+    ):
+        assert a.store is again.store is Store.shared(store, cache_dir=index)
+        assert b.store is not a.store and b.names() == ["sdxl"]
 
 
 def test_a_budget_smaller_than_a_component_is_a_typed_error(store):

@@ -77,3 +77,25 @@ def test_prefetch_copies_overlap_the_running_compute(store):
             assert np.array_equal(
                 run(pipe, "sdxl", device="cuda"), reference(store, "sdxl", device="cuda")
             )
+
+
+def test_a_block_fences_every_stream_its_pipeline_ran_on(store):
+    # The block is entered here, its pipeline runs on a side stream, and it ends on
+    # another thread: the next copy into its memory must wait for the side stream's
+    # kernels too, not only for the stream current where the block ended.
+    import threading
+
+    with nostall.ModelCache(store, device="cuda", gpu_budget=16 * MB, host_budget=64 * MB) as c:
+        side = torch.cuda.Stream()
+        block = c.use("sdxl")
+        pipe = block.__enter__()
+        with torch.cuda.stream(side):
+            out = run(pipe, "sdxl", device="cuda")
+        leaving = threading.Thread(target=block.__exit__, args=(None, None, None))
+        leaving.start()
+        leaving.join(60)
+        slots = [c._tier.slots[x.digest] for x in c.store.entry("sdxl").distinct_weights()]
+        assert all(s.uses == 0 for s in slots)
+        assert all(len(s.events) == 2 for s in slots)  # the side stream's and the default's
+        torch.cuda.synchronize()
+        assert np.array_equal(out, reference(store, "sdxl", device="cuda"))

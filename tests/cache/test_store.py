@@ -154,3 +154,29 @@ def test_pickled_weights_only_are_refused_with_the_fix(store, tmp_path):
         f.rename(f.with_suffix(".bin"))
     with pytest.raises(CheckpointError, match="safetensors only"):
         Store(tmp_path / "s").entry("flux")
+
+
+def test_one_store_per_folder_is_shared_while_something_uses_it(store, tmp_path):
+    import gc
+    import weakref
+
+    from nostall.errors import ArgumentError
+
+    (tmp_path / "link").symlink_to(store, target_is_directory=True)
+    a = Store.shared(store, cache_dir=tmp_path)
+    a.entry("sdxl")
+    assert Store.shared(tmp_path / "link", cache_dir=tmp_path) is a  # the same real folder
+    assert Store.shared(store, cache_dir=tmp_path / "other") is not a  # another index
+    assert Store.shared(store, variant="fp16", cache_dir=tmp_path) is not a
+    assert Store.shared(a) is a
+    with pytest.raises(ArgumentError, match="variant"):
+        Store.shared(a, variant="fp16")
+    with pytest.raises(ArgumentError, match="cache_dir"):
+        Store.shared(a, cache_dir=tmp_path / "other")
+    # Held weakly: once its last user lets go, the next call scans afresh.
+    gone = weakref.ref(a)
+    del a
+    gc.collect()
+    assert gone() is None
+    fresh = Store.shared(store, cache_dir=tmp_path)
+    assert fresh._entries == {}

@@ -17,7 +17,7 @@ def test_serve_boots_answers_and_stops_on_sigterm(store):
     port = _free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "nostall.cli.main", "serve", "--models", str(store),
+        [sys.executable, "-m", "nostall.cli", "serve", "--models", str(store),
          "--device", "cpu", "--port", str(port), "--gpu-budget-gb", "0.1",
          "--host-budget-gb", "0.1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -53,7 +53,7 @@ def test_fleet_options_are_checked_before_ray_starts(store):
     pytest.importorskip("ray")
     from typer.testing import CliRunner
 
-    from nostall.cli.main import app
+    from nostall.cli import app
 
     r = CliRunner().invoke(app, ["fleet", "--models", str(store), "--replicas", "0", "--embed"])
     assert r.exit_code != 0 and "replicas=0" in r.output

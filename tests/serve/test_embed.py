@@ -292,3 +292,20 @@ def test_the_service_serves_an_fp8_t5_folder_as_it_is(store, tmp_path):
     got = out["last_hidden_state"]
     assert hits == 0 and got.shape == ref.shape and got.isfinite().all()
     assert sqnr_db(ref, got) > 15
+
+
+def test_a_worker_and_the_service_in_one_process_read_one_store(store):
+    # One scan, one identity per file: the folder is not scanned (nor its files hashed)
+    # once by the worker's cache and again by the service.
+    from nostall.cache import Store
+    from nostall.serve.embed import EmbeddingService
+    from nostall.serve.worker import Worker
+
+    service = EmbeddingService(store, device="cpu")
+    worker = Worker(store, device="cpu", gpu_budget=64 << 20, host_budget=64 << 20, prepare=False)
+    try:
+        assert worker.cache.store is service.store is Store.shared(store)
+        given = Store(store, cache_dir=False)
+        assert EmbeddingService(given, device="cpu").store is given
+    finally:
+        worker.shutdown()

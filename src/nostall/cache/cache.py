@@ -15,6 +15,12 @@ Leaving the device costs nothing (the host copy never changed), so eviction is
 bookkeeping. Budgets are bytes. Components of a pipeline in use (``with
 cache.use(name)``) are never evicted, nor those of a prefetch until it is used.
 
+Who decides what: :mod:`~nostall.cache.placement` (pure) decides who leaves and
+where a component goes; the tiers (:mod:`~nostall.cache.device`,
+:mod:`~nostall.cache.host`) apply it; :mod:`~nostall.cache.moves` issues the copies;
+:mod:`~nostall.cache.holds` counts the ``use()`` blocks; :mod:`~nostall.cache.pipelines`
+lends pipeline objects. This module runs the switch.
+
 Locks: ``_switching`` admits one switch at a time (they share one copy stream);
 ``_lock`` guards the tiers' state and is never held across a copy or a read, so a
 ``use`` block can end, and ``stats()`` answer, while a switch copies.
@@ -27,90 +33,58 @@ import logging
 import os
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from nostall.cache import placement
 from nostall.cache.device import DeviceTier, Slot
-from nostall.cache.host import HostTier
-from nostall.cache.modules import Instance, build_instance
-from nostall.cache.pipelines import Assembler
-from nostall.cache.report import ComponentSwitch, SwitchReport
+from nostall.cache.holds import Hold, Holds
+from nostall.cache.host import HostTier, store_bytes
+from nostall.cache.modules import Instance, Instances
+from nostall.cache.moves import Move, issue
+from nostall.cache.pipelines import Pipelines
+from nostall.cache.report import CacheStats, ComponentSwitch, SwitchReport
 from nostall.cache.store import ComponentEntry, PipelineEntry, Store
-from nostall.errors import (
-    ArgumentError,
-    BudgetExceeded,
-    ClosedError,
-    PoolExhausted,
-)
+from nostall.errors import ArgumentError, BudgetExceeded, ClosedError
+from nostall.memory.events import event_done
 from nostall.memory.host import memory_limit
 from nostall.transfer.loader import Loader, resolve_device
-from nostall.transfer.plan import LoadPlan
 
 __all__ = ["CacheStats", "ModelCache"]
 
 log = logging.getLogger("nostall.cache")
 
 
-@dataclass(frozen=True)
-class CacheStats:
-    """Bytes of distinct components resident per tier, and each known component's tier.
-
-    Attributes:
-        gpu_bytes: weights in the device tier (ready to run); on a CPU cache, the modules'
-            own memory.
-        host_bytes: weights in the pinned host tier (bytes as on disk).
-        components: ``digest → {"tier", "roles", "pipelines", "bytes", "in_use"}`` for
-            every component of every pipeline switched to so far; ``tier`` is the
-            fastest that holds it: ``"gpu"``, ``"host"`` or ``"disk"``.
-    """
-
-    device: str
-    gpu_budget: int
-    gpu_bytes: int
-    host_budget: int
-    host_bytes: int
-    components: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-
-@dataclass(eq=False)
-class _Move:
-    c: ComponentEntry
-    inst: Instance
-    slot: Slot
-    after: list[Any]
-    tier: str
-    cached: bool
-    in_place: bool
-    pending: Any = None
-    build_s: float = 0.0
-
-
 class ModelCache:
     """Diffusers pipelines from a store, switched among GPU, pinned host and disk tiers.
 
     Args:
-        models: a folder of pipeline folders (each addressed by its folder name) or a
-            mapping ``name → pipeline folder``.
+        models: a :class:`~nostall.cache.Store`, a folder of pipeline folders (each
+            addressed by its folder name) or a mapping ``name → pipeline folder``; a
+            folder or mapping is served by the process's one store of it
+            (:meth:`Store.shared`), which other users of that folder share.
         device: where the pipelines run: ``"cuda[:N]"`` or ``"cpu"`` (then the device
             tier is ordinary memory the modules own; everything else is the same, so
             CI tests it all).
         gpu_budget: bytes of the device tier, allocated once at the first switch
             (default: 80% of the GPU's free memory then; on a CPU a quarter of the
-            memory limit).
-        host_budget: bytes of the pinned host tier (default: half the memory limit).
+            memory limit, reserved as address space and committed as it is written).
+        host_budget: bytes of the host tier (default: what the store's weights take
+            there, each distinct component once, at most half the memory limit: every
+            pipeline's headers are read to size it. A CUDA cache pins the tier in the
+            background from the start; a CPU cache's pages are committed as written).
         dtype: load floating weights in this dtype, keeping the modules a library keeps
             in float32 (as ``from_pretrained(torch_dtype=...)``); default: as stored.
         variant: weights variant (``"fp16"``) in every component folder.
         watermark: when a switch must evict from the device tier, it evicts idle
             components until the tier is at most this full after the switch (so the
             next switch or a prefetch finds room), or as far as idle components allow.
-        wait_s: how long a switch waits for room held by pipelines in use in other
-            threads before :class:`~nostall.BudgetExceeded`.
+        wait_s: how long a switch waits for room held by pipelines in use elsewhere
+            before :class:`~nostall.BudgetExceeded`.
         cache_dir: where the digest index lives (see :class:`~nostall.cache.Store`;
             ``False`` keeps digests in memory). Components are identified by a digest of
             every byte, computed as they are first read and remembered there.
@@ -123,7 +97,7 @@ class ModelCache:
 
     def __init__(
         self,
-        models: str | os.PathLike | Mapping[str, str | os.PathLike],
+        models: Store | str | os.PathLike | Mapping[str, str | os.PathLike],
         *,
         device: str | torch.device = "cuda",
         gpu_budget: int | None = None,
@@ -143,7 +117,7 @@ class ModelCache:
                 isinstance(value, bool) or not isinstance(value, int) or value <= 0
             ):
                 raise ArgumentError(f"{name}={value!r} must be a positive number of bytes")
-        self.store = Store(models, variant=variant, cache_dir=cache_dir)
+        self.store = Store.shared(models, variant=variant, cache_dir=cache_dir)
         self.dtype = dtype
         self.watermark = watermark
         self.wait_s = wait_s
@@ -155,18 +129,15 @@ class ModelCache:
             else:
                 gpu_budget = limit // 4
         self._tier = DeviceTier(self.device, gpu_budget)
-        self._host = HostTier(host_budget or limit // 2, self.device)
+        self._host = HostTier(host_budget or store_bytes(self.store, limit // 2), self.device)
         self._own_loader = loader is None
         self._loader = loader or Loader()
-        self._assembler = Assembler()
+        self._pipelines = Pipelines()
         self._lock = threading.RLock()
         self._released = threading.Condition(self._lock)
         self._switching = threading.Lock()
-        self._instances: dict[str, list[Instance]] = {}
-        self._plans: dict[str, LoadPlan] = {}
-        # (name, roles left out) -> [pipeline object, module identities, busy in a use() block]
-        self._pipes: dict[tuple[str, frozenset[str]], list[list[Any]]] = {}
-        self._holders: dict[int, Counter[str]] = {}
+        self._modules = Instances(dtype, mirror_file=self.device.type == "cpu")
+        self._holds = Holds()
         self._protected: set[str] = set()  # prefetched, not used yet
         self._current: set[str] = set()  # the last pipeline handed out without use()
         self._roles: dict[str, set[tuple[str, str]]] = {}  # digest -> {(pipeline, role)}
@@ -195,6 +166,9 @@ class ModelCache:
     def use(self, name: str, *, without: Iterable[str] = ()) -> Iterator[Any]:
         """Switch to ``name`` and hold it: nothing of it is evicted inside the block.
 
+        The block may end on another thread than the one that entered it (as with
+        ``asyncio.to_thread``); it may call the pipeline from any thread and stream.
+
         ``without``: weights components (roles) to leave out: they are not moved, and
         the pipeline gets ``None`` for them, as diffusers allows. A worker whose prompts
         are encoded elsewhere leaves out the text encoders and passes ``prompt_embeds``.
@@ -204,12 +178,11 @@ class ModelCache:
         >>> with cache.use("flux", without=["text_encoder", "text_encoder_2"]) as pipe:  # doctest: +SKIP
         ...     image = pipe(prompt_embeds=t5, pooled_prompt_embeds=clip).images[0]
         """
-        pipe, _ = self._switch(name, mode="use", without=without)
-        digests = {c.digest for c in self._components(self.store.entry(name), without)}
+        pipe, _, hold = self._switch(name, mode="use", without=without)
         try:
             yield pipe
         finally:
-            self._release(digests, pipe)
+            self._release(hold)
 
     def prefetch(self, name: str, *, without: Iterable[str] = ()) -> Future[SwitchReport]:
         """Move ``name``'s missing components to the device now, on the copy stream, while
@@ -222,7 +195,7 @@ class ModelCache:
         """
         self._check_open()
         without = _roles(without)
-        self._components(self.store.entry(name), without)  # bad names fail here, not later
+        self.store.entry(name).distinct_weights(without)  # bad names fail here, not later
         return self._prefetcher.submit(
             lambda: self._switch(name, mode="prefetch", without=without)[1]
         )
@@ -245,12 +218,10 @@ class ModelCache:
                     if c is None:
                         continue
                     if c.weights:
-                        self._load_plan(c)
+                        self._modules.plan(c)
                     else:
-                        self._assembler.files_component(c)
-            for insts in self._instances.values():
-                for inst in insts:
-                    inst.build_s = 0.0  # paid at boot, not by the first switch
+                        self._pipelines.assembler.files_component(c)
+            self._modules.booted()
         self._host.pool.wait_pinned()
         self._loader.prepare(self.device)
 
@@ -266,7 +237,7 @@ class ModelCache:
             comps: dict[str, dict[str, Any]] = {}
             host_bytes = 0
             for d, roles in self._roles.items():
-                plan = self._plans.get(d)
+                plan = self._modules.planned(d)
                 disk = plan.checkpoint.nbytes if plan is not None else 0
                 if d in host:
                     host_bytes += disk
@@ -313,7 +284,7 @@ class ModelCache:
         self._prefetcher.shutdown(wait=True)
         with self._switching, self._lock:
             self._tier.close()
-            self._pipes.clear()
+            self._pipelines.clear()
         self._host.close()
         if self._own_loader:
             self._loader.close()
@@ -326,29 +297,16 @@ class ModelCache:
 
     # ---- the switch --------------------------------------------------------------
 
-    def _components(self, entry: PipelineEntry, without: Iterable[str]) -> list[ComponentEntry]:
-        """``entry``'s weights components but the roles in ``without`` (checked), one per
-        digest."""
-        without = _roles(without)
-        roles = [c.role for c in entry.weights]
-        unknown = sorted(without - set(roles))
-        if unknown:
-            raise ArgumentError(
-                f"without={unknown}: pipeline {entry.name!r} has no weights component of that "
-                f"name; it has {roles}"
-            )
-        return list({c.digest: c for c in entry.weights if c.role not in without}.values())
-
     def _switch(
         self, name: str, *, mode: str, without: Iterable[str] = ()
-    ) -> tuple[Any, SwitchReport]:
+    ) -> tuple[Any, SwitchReport, Hold | None]:
         t0 = time.perf_counter()
         self._check_open()
         entry = self.store.entry(name)
         without = _roles(without)
-        comps = self._components(entry, without)
+        comps = entry.distinct_weights(without)
         keep = {c.digest for c in comps}
-        me = threading.get_ident()
+        hold = None
         with self._switching:
             t_locked = time.perf_counter()
             with self._lock:
@@ -361,10 +319,9 @@ class ModelCache:
                     self._tier.slots[c.digest].last_used = self._tick
                 # Claimed before the lock is let go: no other switch may evict them now.
                 if mode == "use":
-                    held = self._holders.setdefault(me, Counter())
-                    for c in comps:
-                        self._tier.slots[c.digest].uses += 1
-                        held[c.digest] += 1
+                    hold = self._holds.take(keep)
+                    for d in keep:
+                        self._tier.slots[d].uses += 1
                 if mode == "prefetch":
                     self._protected = set(keep)
                 else:
@@ -372,55 +329,41 @@ class ModelCache:
                     if mode == "pipeline":
                         self._current = set(keep)
             try:
-                self._transfer(moves, prefetch=mode == "prefetch")
+                issue(
+                    moves,
+                    loader=self._loader,
+                    tier=self._tier,
+                    pool=self._host.pool,
+                    device=self.device,
+                    prefetch=mode == "prefetch",
+                )
             except BaseException:
                 with self._lock:
                     for mv in moves:  # half-copied content must never count as resident
                         if self._tier.slots.get(mv.c.digest) is mv.slot:
                             mv.slot.uses = 0
                             self._evict_slot(mv.slot)
-                    if mode == "use":
-                        self._release_locked(keep, record=False)
+                    if hold is not None:
+                        self._release_locked(hold, record=False)
                 raise
             with self._lock:
                 for mv in moves:
                     mv.slot.ready = True
-                    if mv.cached:
-                        self._host.admitted(mv.c.digest, mv.slot.size)
             for mv in moves:
                 if mv.pending.digests is not None:
                     self._learn(mv.c, mv.pending.digests)
+            stream = self._stream()
+            if hold is not None:
+                hold.note(stream)  # ordered after the copies just below
             with self._lock:
-                pipe = (
-                    None
-                    if mode == "prefetch"
-                    else self._pipeline_for(entry, mode == "use", without)
-                )
-            if mode != "prefetch" and self.device.type == "cuda":
+                pipe = None if mode == "prefetch" else self._pipeline_for(entry, without, hold)
+            if mode != "prefetch" and stream is not None:
                 # A prefetch did not join the copies to its stream: the consumer does.
-                stream = torch.cuda.current_stream(self.device)
                 for c in comps:
                     done = self._tier.slots[c.digest].done
                     if done is not None:
                         stream.wait_event(done)
-        rows.update(
-            {
-                mv.c.digest: ComponentSwitch(
-                    mv.c.role,
-                    mv.c.class_name,
-                    mv.c.digest[:12],
-                    mv.slot.nbytes,
-                    mv.tier,
-                    cached=mv.cached,
-                    in_place=mv.in_place,
-                    read_s=mv.pending.wait().stats.read_s if mv.pending else 0.0,
-                    copy_s=mv.pending.wait().stats.h2d_s if mv.pending else 0.0,
-                    build_s=mv.build_s,
-                    hashed=mv.pending.digests is not None if mv.pending else False,
-                )
-                for mv in moves
-            }
-        )
+        rows.update({mv.c.digest: mv.row() for mv in moves})
         report = SwitchReport(
             pipeline=name,
             device=str(self.device),
@@ -432,15 +375,8 @@ class ModelCache:
             left_out=tuple(sorted(without)),
         )
         self.reports.append(report)
-        log.info(
-            "%sswitch to %s: %.3f s, %.2f GB moved (%s)",
-            "prefetch " if report.prefetch else "",
-            name,
-            report.total_s,
-            report.moved_bytes / 1e9,
-            ", ".join(f"{c.role}={c.tier}" for c in report.components),
-        )
-        return pipe, report
+        log.info("%s", report.line())
+        return pipe, report, hold
 
     def _plan(self, comps: list[ComponentEntry], keep: set[str], mode: str):
         """Decide, under the lock, where every missing component goes (evicting as needed)."""
@@ -457,41 +393,34 @@ class ModelCache:
                     c.role, c.class_name, c.digest[:12], slot.nbytes, gpu
                 )
                 continue
-            plan, build_s = self._load_plan(c)
-            missing.append((c, prior, plan.target_bytes, build_s))
+            plan, build_s = self._modules.plan(c)
+            missing.append((c, prior, plan, build_s))
         # Largest first: small slots placed first would cut the free runs a large one needs.
-        missing.sort(key=lambda m: -m[2])
+        missing.sort(key=lambda m: -m[2].target_bytes)
         try:
             moves, waited = self._place_all(missing, keep, mode, evicted, sticky=True)
         except BudgetExceeded:
             # Going back to old offsets can cut the free space into runs too short for the
             # largest component: place this switch's new slots again, best fit only.
             moves, waited = self._place_all(missing, keep, mode, evicted, sticky=False)
-        for mv in moves:
+        for mv, (_, prior, plan, _) in zip(moves, missing, strict=True):
             if mv.tier == "disk":
-                prior = next(m[1] for m in missing if m[0] is mv.c)
-                mv.cached = self._host.admit(mv.c.digest, mv.c.nbytes, prior, keep)
+                mv.cached = self._host.admit(mv.c.digest, plan.host_bytes, prior, keep)
         return moves, rows, evicted, waited
 
     def _place_all(self, missing, keep: set[str], mode: str, evicted: list[str], *, sticky: bool):
-        moves: list[_Move] = []
+        moves: list[Move] = []
         waited = 0.0
         try:
-            for c, _prior, need, build_s in missing:
-                inst, slot, after, in_place, w = self._place(c, need, keep, mode, evicted, sticky)
+            for c, _prior, plan, build_s in missing:
+                inst, slot, after, in_place, w = self._place(
+                    c, plan.target_bytes, keep, mode, evicted, sticky
+                )
                 waited += w
                 tier = "host" if self._host.has(c.digest) else "disk"
+                build_s += inst.build_s
                 moves.append(
-                    _Move(
-                        c,
-                        inst,
-                        slot,
-                        after,
-                        tier,
-                        tier == "host",
-                        in_place,
-                        build_s=build_s + inst.build_s,
-                    )
+                    Move(c, inst, slot, after, tier, tier == "host", in_place, build_s=build_s)
                 )
                 inst.build_s = 0.0  # reported once, by the switch that built it
         except BudgetExceeded:
@@ -503,37 +432,10 @@ class ModelCache:
             raise
         return moves, waited
 
-    def _load_plan(self, c: ComponentEntry) -> tuple[LoadPlan, float]:
-        plan = self._plans.get(c.digest)
-        if plan is not None:
-            return plan, 0.0
-        t = time.perf_counter()
-        insts = self._instances.get(c.arch or c.digest)
-        if not insts:
-            insts = self._instances[c.arch or c.digest] = [build_instance(c, self.dtype)]
-        plan = self._plans[c.digest] = LoadPlan(
-            c.checkpoint, insts[0].targets, mirror_file=self.device.type == "cpu"
-        )
-        return plan, time.perf_counter() - t - insts[0].build_s
-
-    def _place(
-        self,
-        c: ComponentEntry,
-        need: int,
-        keep: set[str],
-        mode: str,
-        evicted: list[str],
-        sticky: bool,
-    ):
+    def _place(self, c: ComponentEntry, need: int, keep, mode: str, evicted: list, sticky: bool):
         """An instance and a slot for ``c``: in place in an idle instance of the same
         architecture when room would have to be made anyway, else a new slot."""
-        arch = c.arch or c.digest
-        insts = self._instances[arch]
-        idle = [
-            i
-            for i in insts
-            if i.slot is not None and i.slot.ready and self._evictable(i.slot, keep, mode)
-        ]
+        idle = self._modules.idle(c, lambda slot: self._evictable(slot, keep, mode))
         if idle and self._tier.largest_free < need:
             inst = min(idle, key=lambda i: i.slot.last_used)
             old = inst.slot
@@ -541,131 +443,66 @@ class ModelCache:
             after = self._tier.rebind(old, c.digest, need)
             return inst, old, after, True, 0.0
         slot, after, waited = self._make_room(c.digest, need, keep, mode, evicted, sticky)
-        free = [i for i in insts if i.slot is None]
-        inst = next((i for i in free if i.digest == c.digest), None) or next(
-            (i for i in free if i.offset == slot.offset), None
-        )
-        if inst is None:
-            inst = free[0] if free else build_instance(c, self.dtype)
-            if inst not in insts:
-                insts.append(inst)
-        inst.slot = slot
-        return inst, slot, after, False, waited
+        return self._modules.take(c, slot), slot, after, False, waited
 
     def _make_room(
         self, digest: str, need: int, keep: set[str], mode: str, evicted: list[str], sticky: bool
     ):
+        """A new slot for ``digest``: evicting what the placement policy names, once it is
+        certain to make room; else waiting for use() blocks elsewhere to end."""
         deadline = time.monotonic() + self.wait_s
-        waited = 0.0
+        waited, said = 0.0, False
         while True:
-            placed = self._tier.place(digest, need, sticky=sticky)
-            if placed is not None:
-                slot, after = placed
-                # Evict further down to the watermark, so the next switch or a prefetch
-                # finds room without evicting.
-                while self._tier.used > self.watermark * self._tier.budget:
-                    victim = self._victim(0, keep, mode)
-                    if victim is None:
-                        break
-                    evicted.append(self._describe(victim.digest))
-                    self._evict_slot(victim)
-                return slot, after, waited
-            victim = self._victim(need, keep, mode)
-            if victim is not None:
-                evicted.append(self._describe(victim.digest))
-                self._evict_slot(victim)
-                continue
+            room = placement.make_room(
+                self._tier.budget,
+                self._tier.extents(),
+                [d for d, s in self._tier.slots.items() if self._evictable(s, keep, mode)],
+                self._tier.slot_size(need),
+                watermark=int(self.watermark * self._tier.budget),
+            )
+            if room is not None:
+                for d in room.fit:
+                    self._evict_slot(self._tier.slots[d], evicted)
+                placed = self._tier.place(digest, need, sticky=sticky)
+                assert placed is not None, "the placement policy promised a free run"
+                for d in room.trim:  # down to the watermark: the next switch finds room
+                    self._evict_slot(self._tier.slots[d], evicted)
+                return (*placed, waited)
             in_use = sum(
                 s.size for s in self._tier.slots.values() if s.uses or s.digest in self._protected
             )
-            mine = self._holders.get(threading.get_ident(), Counter())
+            mine = self._holds.mine()
             others = any(s.uses > mine.get(d, 0) for d, s in self._tier.slots.items())
+            what = self._describe(digest)
             if need > self._tier.budget or mode == "prefetch" or not others:
-                raise BudgetExceeded(
-                    f"the GPU tier ({self._tier.budget / 1e9:.2f} GB) cannot hold "
-                    f"{self._describe(digest)} ({need / 1e9:.2f} GB): {in_use / 1e9:.2f} GB are in "
-                    f"use or prefetched, the largest free run is {self._tier.largest_free / 1e9:.2f} GB"
-                    + ("" if mode != "prefetch" else "; a prefetch never evicts what is in use")
-                    + "; raise gpu_budget or end the other use() blocks first",
-                    tier="gpu",
-                    requested=need,
-                    budget=self._tier.budget,
-                    in_use=in_use,
-                )
+                raise self._tier.no_room(what, need, in_use, prefetch=mode == "prefetch")
             left = deadline - time.monotonic()
             if left <= 0:
-                raise BudgetExceeded(
-                    f"waited {self.wait_s:.0f} s for room for {self._describe(digest)}: pipelines "
-                    "in use in other threads hold the GPU tier",
-                    tier="gpu",
-                    requested=need,
-                    budget=self._tier.budget,
-                    in_use=in_use,
-                )
+                raise self._tier.no_room(what, need, in_use, waited_s=self.wait_s)
+            if not said:
+                said = True
+                log.info("%s waits for room held by use() blocks elsewhere", what)
             t = time.perf_counter()
             self._released.wait(min(left, 1.0))
             waited += time.perf_counter() - t
 
     def _evictable(self, slot: Slot, keep: set[str], mode: str) -> bool:
-        return (
-            slot.uses == 0
-            and slot.digest not in keep
-            and slot.digest not in self._protected
-            and not (mode == "prefetch" and slot.digest in self._current)
+        protected, current = self._protected, self._current
+        prefetch = mode == "prefetch"
+        return placement.evictable(
+            slot.digest,
+            slot.uses,
+            keep=keep,
+            protected=protected,
+            current=current,
+            prefetch=prefetch,
         )
 
-    def _victim(self, need: int, keep: set[str], mode: str) -> Slot | None:
-        """Least recently used first; within the oldest switch, the smallest component that
-        frees enough on its own, else the largest (fewest bytes to bring back later)."""
-        idle = [s for s in self._tier.slots.values() if self._evictable(s, keep, mode)]
-        if not idle:
-            return None
-        oldest = min(s.last_used for s in idle)
-        group = [s for s in idle if s.last_used == oldest]
-        enough = [s for s in group if s.size >= need]
-        return min(enough, key=lambda s: s.size) if enough else max(group, key=lambda s: s.size)
-
-    def _evict_slot(self, slot: Slot) -> None:
+    def _evict_slot(self, slot: Slot, evicted: list[str] | None = None) -> None:
+        if evicted is not None:
+            evicted.append(self._describe(slot.digest))
         self._tier.evict(slot)
-        for insts in self._instances.values():
-            for inst in insts:
-                if inst.slot is slot:
-                    inst.slot = None
-
-    def _transfer(self, moves: list[_Move], *, prefetch: bool) -> None:
-        """Issue every copy (host hits first: they only need the link), point the modules
-        at their slots while the link is busy, then wait."""
-        order = sorted(moves, key=lambda m: m.tier != "host")
-        cuda = self.device.type == "cuda"
-        for mv in order:
-            after = list(mv.after)
-            if cuda and not prefetch:
-                # Memory freed here may still be read by work queued on this stream.
-                after.append(torch.cuda.current_stream(self.device).record_event())
-            kwargs = {
-                "device": self.device,
-                "dtype": mv.inst.targets,
-                "key": mv.c.digest,
-                "into": self._tier.view(mv.slot),
-                "after": after if cuda else None,
-                # Back at the offset its module views: no new views needed.
-                "views": mv.inst.offset != mv.slot.offset,
-            }
-            # A component whose content digest is unknown is hashed by the reads that
-            # load it (reader threads, as the bytes land): no pass of its own.
-            kwargs["digest"] = mv.tier == "disk" and not mv.c.exact
-            try:
-                pool = self._host.pool if mv.cached else None
-                mv.pending = self._loader.start(mv.c.checkpoint, pool=pool, **kwargs)
-            except PoolExhausted:
-                # The host tier admitted it, but its free space is cut into smaller runs:
-                # read it straight to the device instead (nothing was copied yet).
-                mv.cached = False
-                mv.pending = self._loader.start(mv.c.checkpoint, **kwargs)
-            mv.build_s += mv.inst.bind(mv.pending.tensors, mv.slot, mv.c, self.device)
-        for mv in order:
-            mv.pending.wait(join=not prefetch)
-            mv.slot.done = mv.pending.done
+        self._modules.unbind(slot)
 
     def _learn(self, c: ComponentEntry, digests: list[str]) -> None:
         """The reads that loaded ``c`` hashed it: record its files' digests. If the same
@@ -675,9 +512,7 @@ class ModelCache:
         if key == c.digest:
             return
         with self._lock:
-            if self._host.has(c.digest):
-                self._host.pool.evict(c.digest)
-                self._host.sizes.pop(c.digest, None)
+            self._host.evict(c.digest)
             slot = self._tier.slots.get(c.digest)
             if slot is not None:
                 slot.last_used = 0
@@ -687,77 +522,47 @@ class ModelCache:
             key[:12],
         )
 
-    def _release(self, digests: set[str], pipe: Any = None) -> None:
+    def _release(self, hold: Hold) -> None:
         with self._lock:
-            self._release_locked(digests, record=True)
-            for held in self._pipes.values():
-                for item in held:
-                    if item[0] is pipe:
-                        item[2] = False
+            self._release_locked(hold, record=True)
+            self._pipelines.give_back(hold)
 
-    def _release_locked(self, digests: set[str], *, record: bool) -> None:
-        event = None
+    def _release_locked(self, hold: Hold, *, record: bool) -> None:
+        if not self._holds.give_back(hold):
+            return
+        events = []
         if record and self.device.type == "cuda":
-            # The next copy into these slots waits for the kernels queued so far.
-            event = torch.cuda.current_stream(self.device).record_event()
-        held = self._holders.get(threading.get_ident())
-        for d in digests:
+            # The next copy into these slots waits for the kernels queued so far on every
+            # stream the pipeline ran on, and on the stream current where the block ends.
+            hold.note(self._stream())
+            events = [s.record_event() for s in hold.streams]
+        for d in hold.digests:
             slot = self._tier.slots.get(d)
             if slot is not None and slot.uses:
                 slot.uses -= 1
-                if event is not None:
-                    slot.events.append(event)
-            if held is not None:
-                held[d] -= 1
-                if held[d] <= 0:
-                    del held[d]
+                if events:  # (ended kernels fence nothing: a slot used all day stays small)
+                    slot.events = [e for e in slot.events if not event_done(e)] + events
         self._released.notify_all()
 
     # ---- pipelines ---------------------------------------------------------------
 
-    def _pipeline_for(
-        self, entry: PipelineEntry, exclusive: bool, without: frozenset[str] = frozenset()
-    ) -> Any:
+    def _pipeline_for(self, entry: PipelineEntry, without: frozenset[str], hold: Hold | None):
         """A pipeline object over the modules now holding ``entry``'s weights (``None``
-        for the roles in ``without``).
-
-        Pipeline objects carry per-run state (the scheduler's timesteps), so a
-        ``use()`` block gets one no other block is using; they are kept and reused.
-        """
-        modules: dict[str, Any] = {}
+        for the roles in ``without``), lent to ``hold``."""
         expect: dict[str, tuple[Instance, str]] = {}
         for role, c in entry.components.items():
-            if c is None or not c.weights or role in without:
-                continue
-            inst = next(
-                i for i in self._instances[c.arch or c.digest] if i.digest == c.digest and i.slot
-            )
-            modules[role] = inst.module
-            expect[role] = (inst, c.digest)
-        ident = tuple(id(m) for m in modules.values())
-        key = (entry.name, without)
-        kept = [item for item in self._pipes.get(key, []) if item[1] == ident]
-        for item in kept:
-            if not item[2]:
-                item[2] = exclusive
-                return item[0]
+            if c is not None and c.weights and role not in without:
+                expect[role] = (self._modules.holding(c), c.digest)
 
-        def check() -> None:
-            if self._closed:
-                raise ClosedError(f"the model cache is closed; pipeline {entry.name!r} is gone")
-            for role, (inst, digest) in expect.items():
-                if inst.digest != digest or inst.slot is None or not inst.slot.ready:
-                    raise ClosedError(
-                        f"pipeline {entry.name!r} was switched out: its {role} now holds other "
-                        "weights or left the device; get it again with cache.pipeline("
-                        f"{entry.name!r}), or hold it with `with cache.use({entry.name!r})`"
-                    )
-
-        pipe = self._assembler.build(entry, modules, check, without)
-        self._pipes[key] = [*kept, [pipe, ident, exclusive]]
-        return pipe
+        return self._pipelines.get(
+            entry, expect, without, hold, closed=lambda: self._closed, stream=self._stream
+        )
 
     # ---- helpers -----------------------------------------------------------------
+
+    def _stream(self) -> Any:
+        """The calling thread's current CUDA stream (``None`` on a CPU cache)."""
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     def _describe(self, digest: str) -> str:
         roles = self._roles.get(digest)

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from nostall.cache.placement import Extent
+from nostall.cache.report import human_bytes
 from nostall.errors import BudgetExceeded
 from nostall.memory.events import event_done
 from nostall.memory.host import PAGE, HostArena, round_up
@@ -93,6 +95,43 @@ class DeviceTier:
                 arena.close()  # nothing registered; the tensor keeps the mapping
         return self._buffer
 
+    @staticmethod
+    def slot_size(nbytes: int) -> int:
+        """The bytes a slot for ``nbytes`` takes (whole granules)."""
+        return round_up(max(nbytes, 1), GRANULE)
+
+    def extents(self) -> list[Extent]:
+        """Every slot, as the placement policy sees it."""
+        return [Extent(s.digest, s.offset, s.size, s.last_used) for s in self.slots.values()]
+
+    def no_room(
+        self,
+        what: str,
+        nbytes: int,
+        in_use: int,
+        *,
+        prefetch: bool = False,
+        waited_s: float | None = None,
+    ) -> BudgetExceeded:
+        """The error for ``what`` (``nbytes``) finding no room, ``in_use`` bytes being
+        held by use() blocks or a prefetch (after waiting ``waited_s`` for them)."""
+        if waited_s is not None:
+            message = (
+                f"waited {waited_s:.0f} s for room for {what}: pipelines in use elsewhere "
+                "hold the GPU tier"
+            )
+        else:
+            message = (
+                f"the GPU tier ({human_bytes(self.budget)}) cannot hold {what} "
+                f"({human_bytes(nbytes)}): {human_bytes(in_use)} are in use or prefetched, "
+                f"the largest free run is {human_bytes(self.largest_free)}"
+                + ("; a prefetch never evicts what is in use" if prefetch else "")
+                + "; raise gpu_budget or end the other use() blocks first"
+            )
+        return BudgetExceeded(
+            message, tier="gpu", requested=nbytes, budget=self.budget, in_use=in_use
+        )
+
     def view(self, slot: Slot) -> torch.Tensor:
         return self.buffer()[slot.offset : slot.offset + slot.size]
 
@@ -103,7 +142,7 @@ class DeviceTier:
         ``None`` when no free run is large enough (the caller evicts and retries).
         ``sticky``: back at its last offset if that range is free (its module's views
         are then still right)."""
-        size = round_up(max(nbytes, 1), GRANULE)
+        size = self.slot_size(nbytes)
         prefer = self.last_offset.get(digest) if sticky else None
         offset = self._ranges.carve(size, prefer=prefer)
         if offset is None:

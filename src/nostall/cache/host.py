@@ -1,65 +1,72 @@
-"""The host tier: immutable pinned copies of components, and who may stay.
+"""The host tier: immutable copies of components in a pool, and who may stay.
 
 The bytes live in a :class:`~nostall.PinnedPool` block keyed by the component's
 digest, exactly as they are on disk; the pool's own eviction is off, and this tier
-decides. Plain LRU over a working set larger than the budget evicts every model just
-before it is needed again (ComfyUI users reloading flux ↔ flux-canny from disk on
-every switch): each request then pays a disk read and gains nothing.
-
-So a newcomer is **admitted** only if the room it needs can be taken from residents
-requested less often than it was (counts halve every ``AGE_EVERY`` requests, so old
-favourites fade). Ties keep the residents. In a cycle over more models than fit, a
-stable subset stays and hits instead of every request missing; a one-off model never
-pushes out a model in regular use. A component that is not admitted still loads,
+decides, by the admission policy of :func:`nostall.cache.placement.admit`: a newcomer
+is admitted only if the room it needs, as one free run, can be taken from residents
+requested less often than it was. A component that is not admitted still loads,
 straight from disk to the device through the loader's staging ring.
+
+The pool is page-locked only for a CUDA cache (a CPU cache's copies gain nothing from
+pinned pages), and its pages are committed as blocks are written, not up front
+(``PinnedPool(pin=False)``). A CUDA pool pins its whole budget in a background thread
+from the start, so no switch waits for pinning: the default budget is therefore sized
+to the store (:meth:`nostall.ModelCache`), not to the machine alone.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
 
 import torch
 
+from nostall.cache.placement import Extent, Requests, admit
+from nostall.cache.store import Store
+from nostall.errors import NostallError
 from nostall.memory.pool import PinnedPool, size_class
+from nostall.transfer.plan import LoadPlan
 
-__all__ = ["HostTier"]
+__all__ = ["HostTier", "store_bytes"]
 
 log = logging.getLogger(__name__)
 
-AGE_EVERY = 64
+AGE_EVERY = 64  # requests between two halvings of every request count
+
+
+def store_bytes(store: Store, cap: int) -> int:
+    """What ``store``'s weights take in a host tier, each distinct component's block
+    once, at most ``cap`` (the default budget: a 7 MB store is not given half the
+    machine). Reads every pipeline's headers; a pipeline that cannot be read is left
+    out, with a warning (its own switch will say why)."""
+    need: dict[str, int] = {}
+    for name in store.names():
+        try:
+            for c in store.entry(name).weights:
+                if c.digest not in need:
+                    need[c.digest] = size_class(LoadPlan(c.checkpoint).host_bytes)
+        except NostallError as e:
+            log.warning("sizing the host tier: pipeline %r left out: %s", name, e)
+    return max(min(cap, sum(need.values())), size_class(1))
 
 
 class HostTier:
     """A pool of ``budget`` bytes with frequency-based admission; the owner locks."""
 
     def __init__(self, budget: int, device: torch.device):
-        self.pool = PinnedPool(
-            budget, evict=False, device=device if device.type == "cuda" else None
-        )
+        cuda = device.type == "cuda"
+        self.pool = PinnedPool(budget, evict=False, pin=cuda, device=device if cuda else None)
         self.budget = self.pool.capacity
-        self._counts: Counter[str] = Counter()
-        self._requests = 0
-        self._last: dict[str, int] = {}  # digest -> request number of its last request
-        self.sizes: dict[str, int] = {}  # digest -> block size of resident components
-        self._reserved = 0  # admitted by the switch being planned, not allocated yet
+        self.requests = Requests(AGE_EVERY)
+        # Blocks promised to the switch being planned, not allocated yet: (offset, size).
+        self._reserved: list[tuple[int, int]] = []
 
     def begin(self) -> None:
         """A new switch is being planned: nothing of it is reserved yet."""
-        self._reserved = 0
+        self._reserved = []
 
     def request(self, digest: str) -> int:
         """Count a request for ``digest``; return its count *before* this request."""
-        before = self._counts[digest]
-        self._counts[digest] += 1
-        self._requests += 1
-        self._last[digest] = self._requests
-        if self._requests % AGE_EVERY == 0:
-            for k in list(self._counts):
-                self._counts[k] //= 2
-                if not self._counts[k]:
-                    del self._counts[k]
-        return before
+        return self.requests.request(digest)
 
     def resident(self) -> set[str]:
         return set(self.pool.cached_keys())
@@ -67,57 +74,60 @@ class HostTier:
     def has(self, digest: str) -> bool:
         return digest in self.resident()
 
-    @property
-    def used(self) -> int:
-        s = self.pool.stats(hugepages=False)
-        return s.in_use + s.cached
-
-    def admit(self, digest: str, nbytes: int, prior: int, keep: set[str]) -> bool:
-        """Make room for ``digest`` (``nbytes`` on disk) if residents requested less often
-        than ``prior`` times can give it; return whether it may be cached."""
-        need = size_class(nbytes + (4 << 10))  # the loader's host layout rounds files up
-        if need > self.budget:
+    def admit(self, digest: str, host_bytes: int, prior: int, keep: set[str]) -> bool:
+        """Whether ``digest`` (a block of ``host_bytes``, the loader's host layout) may be
+        cached; residents are evicted for it only when it then certainly fits."""
+        need = size_class(host_bytes)
+        residents = self._residents()
+        if residents is None:
             return False
-        stats = self.pool.stats(hugepages=False)
-        if stats.largest_free - self._reserved >= need:
-            self._reserved += need
-            return True
-        resident = self.resident() - keep - {digest}
-        # Least valuable first: fewest requests, then least recently requested.
-        victims = sorted(resident, key=lambda d: (self._counts[d], self._last.get(d, 0)))
-        chosen = []
-        free = stats.free - self._reserved
-        for d in victims:
-            # A resident gives way to a newcomer requested more often, or when it has not
-            # been requested since its count aged away; ties keep the resident.
-            if not (self._counts[d] < prior or self._counts[d] == 0):
-                break
-            chosen.append(d)
-            free += self.sizes.get(d, 0)
-            if free >= need:
-                break
-        if free < need:
+        decision = admit(
+            need,
+            self.budget,
+            residents,
+            prior=prior,
+            keep=keep | {digest},
+            reserved=self._reserved,
+        )
+        if decision is None:
             return False
-        for d in chosen:
+        for d in decision.victims:
             self.pool.evict(d)
-            self.sizes.pop(d, None)
             log.info("host tier: evicted %s to admit %s", d[:12], digest[:12])
-            if self.pool.stats(hugepages=False).largest_free - self._reserved >= need:
-                break
-        if self.pool.stats(hugepages=False).largest_free - self._reserved >= need:
-            self._reserved += need
-            return True
-        return False
+        self._reserved.append((decision.offset, need))
+        return True
 
-    def admitted(self, digest: str, block_size: int) -> None:
-        self.sizes[digest] = block_size
+    def _residents(self) -> list[Extent] | None:
+        """Where each cached block lies, or ``None`` if the pool holds blocks this tier
+        cannot see (held by a load in flight: never while the owner plans a switch)."""
+        out, held = [], 0
+        for key in self.pool.cached_keys():
+            block = self.pool.lookup(key)
+            if block is None:
+                continue
+            try:
+                out.append(
+                    Extent(
+                        key,
+                        block.offset,
+                        block.size,
+                        self.requests.last(key),
+                        self.requests.count(key),
+                    )
+                )
+                held += block.size
+            finally:
+                block.release()
+        stats = self.pool.stats(hugepages=False)
+        # Free counts ranges still read by copies: they are free once those end, and
+        # the pool's allocate waits for them.
+        return out if held + stats.free == self.budget else None
+
+    def evict(self, digest: str) -> int:
+        return self.pool.evict(digest)
 
     def evict_all(self, keep: set[str] = frozenset()) -> int:
-        freed = 0
-        for d in self.resident() - set(keep):
-            freed += self.pool.evict(d)
-            self.sizes.pop(d, None)
-        return freed
+        return sum(self.pool.evict(d) for d in self.resident() - set(keep))
 
     def close(self) -> None:
         self.pool.close()

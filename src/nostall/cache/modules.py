@@ -14,6 +14,7 @@ objects over the slot's bytes, no copy). Two facts keep switches cheap:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,8 +24,9 @@ from nostall.assemble import adopt, build_empty, resolve_model_class, target_dty
 from nostall.cache.device import Slot
 from nostall.cache.store import ComponentEntry
 from nostall.quant.modules import install_fp8, prepare_fp8
+from nostall.transfer.plan import LoadPlan
 
-__all__ = ["Instance", "build_instance"]
+__all__ = ["Instance", "Instances", "build_instance"]
 
 
 @dataclass(eq=False)
@@ -85,3 +87,77 @@ def build_instance(c: ComponentEntry, dtype: torch.dtype | None) -> Instance:
     inst = Instance(c.arch or c.digest, module, targets, fp8=bool(fp8))
     inst.build_s = time.perf_counter() - t
     return inst
+
+
+class Instances:
+    """Every module built so far, by architecture, and each component's load plan;
+    which instance views which slot. The owner locks.
+
+    ``dtype``: as :func:`build_instance`; ``mirror_file``: the plans' host layout for
+    a CPU device (:class:`~nostall.transfer.plan.LoadPlan`).
+    """
+
+    def __init__(self, dtype: torch.dtype | None, *, mirror_file: bool):
+        self.dtype = dtype
+        self.mirror_file = mirror_file
+        self._by_arch: dict[str, list[Instance]] = {}
+        self._plans: dict[str, LoadPlan] = {}
+
+    def plan(self, c: ComponentEntry) -> tuple[LoadPlan, float]:
+        """``c``'s load plan, and the seconds its first call spent beyond building the
+        module (which the module's ``build_s`` reports)."""
+        plan = self._plans.get(c.digest)
+        if plan is not None:
+            return plan, 0.0
+        t = time.perf_counter()
+        insts = self._by_arch.get(c.arch or c.digest)
+        if not insts:
+            insts = self._by_arch[c.arch or c.digest] = [build_instance(c, self.dtype)]
+        plan = self._plans[c.digest] = LoadPlan(
+            c.checkpoint, insts[0].targets, mirror_file=self.mirror_file
+        )
+        return plan, time.perf_counter() - t - insts[0].build_s
+
+    def planned(self, digest: str) -> LoadPlan | None:
+        return self._plans.get(digest)
+
+    def idle(self, c: ComponentEntry, evictable: Callable[[Slot], bool]) -> list[Instance]:
+        """Resident instances of ``c``'s architecture whose slots may be taken."""
+        return [
+            i
+            for i in self._by_arch[c.arch or c.digest]
+            if i.slot is not None and i.slot.ready and evictable(i.slot)
+        ]
+
+    def take(self, c: ComponentEntry, slot: Slot) -> Instance:
+        """An instance of ``c``'s architecture for the new ``slot``: preferably one that
+        already views ``c`` or that offset (nothing to re-point), else any free one, else
+        a new one."""
+        insts = self._by_arch[c.arch or c.digest]
+        free = [i for i in insts if i.slot is None]
+        inst = next((i for i in free if i.digest == c.digest), None) or next(
+            (i for i in free if i.offset == slot.offset), None
+        )
+        if inst is None:
+            inst = free[0] if free else build_instance(c, self.dtype)
+            if inst not in insts:
+                insts.append(inst)
+        inst.slot = slot
+        return inst
+
+    def holding(self, c: ComponentEntry) -> Instance:
+        """The instance whose slot holds ``c``."""
+        return next(i for i in self._by_arch[c.arch or c.digest] if i.digest == c.digest and i.slot)
+
+    def unbind(self, slot: Slot) -> None:
+        """``slot`` left the device tier: no instance views it any more."""
+        for insts in self._by_arch.values():
+            for inst in insts:
+                if inst.slot is slot:
+                    inst.slot = None
+
+    def booted(self) -> None:
+        """Building paid at boot is not reported by the first switch."""
+        for insts in self._by_arch.values():
+            for inst in insts:
+                inst.build_s = 0.0

@@ -12,6 +12,9 @@ Each pipeline object is an instance of a subclass of the folder's pipeline class
 adds one check to ``__call__``: a pipeline whose components were switched out since
 (evicted, or a shared module now holding another checkpoint's weights) raises
 :class:`~nostall.ClosedError` instead of computing with the wrong weights.
+
+Pipeline objects carry per-run state (the scheduler's timesteps), so :class:`Pipelines`
+lends each ``use()`` block one that no other block is using, and keeps them for reuse.
 """
 
 from __future__ import annotations
@@ -20,12 +23,74 @@ import copy
 import importlib
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from nostall.cache.holds import Hold
+from nostall.cache.modules import Instance
 from nostall.cache.store import ComponentEntry, PipelineEntry
-from nostall.errors import CheckpointError, UnsupportedError
+from nostall.errors import CheckpointError, ClosedError, UnsupportedError
 
-__all__ = ["Assembler"]
+__all__ = ["Assembler", "Pipelines"]
+
+
+@dataclass(eq=False)
+class _Kept:
+    pipe: Any
+    modules: tuple[tuple[int, str], ...]  # (module identity, digest of its weights) per role
+    hold: Hold | None = None  # the use() block it is lent to (None: free)
+
+
+class Pipelines:
+    """Pipeline objects kept for reuse, per pipeline, roles left out and module set;
+    the owner (the cache) locks."""
+
+    def __init__(self) -> None:
+        self.assembler = Assembler()
+        self._kept: dict[tuple[str, frozenset[str]], list[_Kept]] = {}
+
+    def get(
+        self,
+        entry: PipelineEntry,
+        expect: dict[str, tuple[Instance, str]],
+        without: frozenset[str],
+        hold: Hold | None,
+        *,
+        closed: Callable[[], bool],
+        stream: Callable[[], Any],
+    ) -> Any:
+        """A pipeline of ``entry`` over the modules of ``expect`` (role → the instance
+        and the digest of the weights it holds now) that no ``use()`` block has; lent to
+        ``hold`` if given. ``closed()`` says whether the cache is closed; ``stream()`` is
+        the calling thread's current CUDA stream (``None`` on a CPU)."""
+        # Same modules holding other weights (a file rewritten, copied in place) are
+        # another pipeline: the old one's check refuses those weights.
+        ident = tuple((id(inst.module), digest) for inst, digest in expect.values())
+        key = (entry.name, without)
+        kept = [k for k in self._kept.get(key, []) if k.modules == ident]
+        for k in kept:
+            if k.hold is None or not k.hold.open:
+                k.hold = hold
+                return k.pipe
+        new = _Kept(None, ident, hold)
+
+        def check() -> None:
+            _check(entry.name, expect, new.hold, closed(), stream())
+
+        modules = {role: inst.module for role, (inst, _) in expect.items()}
+        new.pipe = self.assembler.build(entry, modules, check, without)
+        self._kept[key] = [*kept, new]
+        return new.pipe
+
+    def give_back(self, hold: Hold) -> None:
+        """The block holding ``hold`` ended: its pipeline may be lent again."""
+        for kept in self._kept.values():
+            for k in kept:
+                if k.hold is hold:
+                    k.hold = None
+
+    def clear(self) -> None:
+        self._kept.clear()
 
 
 class Assembler:
@@ -121,6 +186,32 @@ class Assembler:
             )
             self._guarded[base] = cls
         return cls
+
+
+def _check(
+    name: str,
+    expect: dict[str, tuple[Instance, str]],
+    hold: Hold | None,
+    closed: bool,
+    stream: Any,
+) -> None:
+    """Before each call of pipeline ``name``: refuse weights switched out since it was
+    handed out; order a stream new to its ``use()`` block after the copies."""
+    if closed:
+        raise ClosedError(f"the model cache is closed; pipeline {name!r} is gone")
+    for role, (inst, digest) in expect.items():
+        if inst.digest != digest or inst.slot is None or not inst.slot.ready:
+            raise ClosedError(
+                f"pipeline {name!r} was switched out: its {role} now holds other weights or "
+                f"left the device; get it again with cache.pipeline({name!r}), or hold it "
+                f"with `with cache.use({name!r})`"
+            )
+    if hold is not None and hold.note(stream):
+        # A stream new to this block (another thread's, or a side stream) must not read
+        # the weights before their copies have ended.
+        for inst, _ in expect.values():
+            if inst.slot.done is not None:
+                stream.wait_event(inst.slot.done)
 
 
 def _load_files(cls: type, c: ComponentEntry) -> Any:

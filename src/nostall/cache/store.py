@@ -30,6 +30,11 @@ while it is read is the loader's :class:`~nostall.FileChanged`.
 Components of one **architecture** (same class, config and tensor layout) can share
 one module: switching between two FLUX fine-tunes copies weights into the resident
 module instead of building another.
+
+**One per process.** Whatever serves a folder in a process (the model cache, the
+embedding service, a fleet's router) takes one :class:`Store`, or asks
+:meth:`Store.shared` for it by path: one scan and one identity per file, and one
+answer to "which bytes are these".
 """
 
 from __future__ import annotations
@@ -40,15 +45,16 @@ import hashlib
 import json
 import os
 import threading
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nostall.cache.digests import DigestIndex
+from nostall.cache.digests import DigestIndex, default_cache_dir
 from nostall.checkpoint import Checkpoint, resolve
 from nostall.checkpoint.digest import FileIdentity, hash_file_data
 from nostall.checkpoint.files import open_regular, parse_json
-from nostall.errors import CheckpointError, FileChanged, ReadError, UnknownModel
+from nostall.errors import ArgumentError, CheckpointError, FileChanged, ReadError, UnknownModel
 
 __all__ = ["ComponentEntry", "PipelineEntry", "Store"]
 
@@ -118,6 +124,18 @@ class PipelineEntry:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.weights)
 
+    def distinct_weights(self, without: frozenset[str] = frozenset()) -> list[ComponentEntry]:
+        """The weights components but the roles in ``without``, one per digest;
+        :class:`~nostall.ArgumentError` names a role in ``without`` that is not one."""
+        roles = [c.role for c in self.weights]
+        unknown = sorted(frozenset(without) - set(roles))
+        if unknown:
+            raise ArgumentError(
+                f"without={unknown}: pipeline {self.name!r} has no weights component of that "
+                f"name; it has {roles}"
+            )
+        return list({c.digest: c for c in self.weights if c.role not in without}.values())
+
 
 class Store:
     """Pipeline folders by name; entries are scanned on first use and re-checked on each.
@@ -127,6 +145,9 @@ class Store:
         variant: weights variant (``"fp16"``) in every component folder.
         cache_dir: where the digest index lives (default: ``$NOSTALL_CACHE_DIR``,
             ``$XDG_CACHE_HOME/nostall`` or ``~/.cache/nostall``; ``False``: in memory).
+
+    ``Store(...)`` always scans anew; :meth:`Store.shared` gives the one this process
+    already has for the same folder, variant and index (``key``).
 
     >>> store = Store("/models")  # doctest: +SKIP
     >>> store.names()  # doctest: +SKIP
@@ -170,10 +191,58 @@ class Store:
                 if os.path.isfile(os.path.join(root, n, INDEX))
             }
         self.index = DigestIndex(cache_dir)
+        self.key = _share_key(models, variant, cache_dir)
         self._entries: dict[str, PipelineEntry] = {}
         # content digest -> the key this process first served that content under
         self._canon: dict[str, str] = {}
         self._lock = threading.RLock()
+
+    @classmethod
+    def shared(
+        cls,
+        models: str | os.PathLike | Mapping[str, str | os.PathLike] | Store,
+        *,
+        variant: str | None = None,
+        cache_dir: str | os.PathLike | bool | None = None,
+    ) -> Store:
+        """The store of ``models`` that this process already has, else a new one.
+
+        Stores are shared by the real path of the folder (or of every folder of a
+        mapping), the variant and the digest index's folder. The registry holds them
+        weakly: a store lives as long as something that uses it (a cache, a service)
+        does, and a later call after the last user is gone scans afresh (and sees
+        pipeline folders added since). A :class:`Store` passed in is returned as it
+        is, if ``variant`` and ``cache_dir`` agree with it.
+
+        >>> cache_store = Store.shared("/models")  # doctest: +SKIP
+        >>> Store.shared("/models/../models") is cache_store  # doctest: +SKIP
+        True
+        """
+        if isinstance(models, Store):
+            models.check_options(variant=variant, cache_dir=cache_dir)
+            return models
+        key = _share_key(models, variant, cache_dir)
+        with _SHARED_LOCK:
+            store = _SHARED.get(key)
+            if store is None:
+                store = _SHARED[key] = cls(models, variant=variant, cache_dir=cache_dir)
+            return store
+
+    def check_options(
+        self, *, variant: str | None = None, cache_dir: str | os.PathLike | bool | None = None
+    ) -> None:
+        """Raise :class:`~nostall.ArgumentError` when ``variant`` or ``cache_dir`` (given,
+        not ``None``) differ from this store's: a store passed on carries its own."""
+        if variant is not None and variant != self.variant:
+            raise ArgumentError(
+                f"variant={variant!r}, but the Store passed reads variant {self.variant!r}; "
+                "give the variant to Store(...) and leave it out here"
+            )
+        if cache_dir is not None and _index_key(cache_dir) != self.key[2]:
+            raise ArgumentError(
+                f"cache_dir={cache_dir!r}, but the Store passed keeps its digest index in "
+                f"{self.key[2]!r}; give cache_dir to Store(...) and leave it out here"
+            )
 
     def names(self) -> list[str]:
         return sorted(self._folders)
@@ -388,6 +457,30 @@ class Store:
             stamps=tuple(stamps),
             config_key=config_key,
         )
+
+
+# Stores by _share_key, held weakly: an entry lives while a user holds its store.
+_SHARED: weakref.WeakValueDictionary[tuple, Store] = weakref.WeakValueDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def _index_key(cache_dir: str | os.PathLike | bool | None) -> str | bool:
+    if cache_dir is False:
+        return False
+    folder = default_cache_dir() if cache_dir is None or cache_dir is True else cache_dir
+    return os.path.realpath(os.fspath(folder))
+
+
+def _share_key(models, variant: str | None, cache_dir) -> tuple:
+    """What makes two stores the same: where the pipelines are, the variant read and
+    where the digest index lives."""
+    if isinstance(models, Mapping):
+        where: object = tuple(
+            sorted((str(k), os.path.realpath(os.fspath(v))) for k, v in models.items())
+        )
+    else:
+        where = os.path.realpath(os.fspath(models))
+    return (where, variant, _index_key(cache_dir))
 
 
 def _content_digest(library: str, cls: str, config_key: bytes, ckpt: Checkpoint, digests) -> str:

@@ -117,6 +117,9 @@ class _LRU:
 class EmbeddingService:
     """Text encoders of a store, a batching thread and the cache.
 
+    ``models``: a :class:`~nostall.cache.Store`, or a folder or mapping whose store this
+    process shares (:meth:`Store.shared <nostall.cache.Store.shared>`).
+
     ``encoders``: the ``<pipeline>/<component>`` names to serve (default: every text
     encoder in the store, loaded on first use); ``dtype``: the encoders' dtype (default:
     as stored); ``max_length_cap``: the longest ``max_length`` a request may ask.
@@ -146,7 +149,7 @@ class EmbeddingService:
         self.max_texts = max_texts
         self.cache = _LRU(cache_bytes)
         self.metrics = EmbedMetrics()
-        self.store = Store(models)
+        self.store = Store.shared(models)  # a worker in this process reads the same one
         self._by_name: dict[str, _Encoder] = {}
         by_digest: dict[str, _Encoder] = {}
         for pname in self.store.names():

@@ -35,9 +35,10 @@ Each worker's cache reads the store from its own node (a shared file system or a
 per node).
 
 Memory: unless ``worker_options`` set them, each worker's pinned host tier is half the
-host's memory limit divided by ``replicas`` (and on CPU workers the device tier a quarter,
-likewise), so the workers of one host together take what one worker alone would. On a
-cluster, pass ``host_budget`` for each node's share.
+host's memory limit divided by ``replicas``, or what the store needs there if less (and on
+CPU workers the device tier a quarter of the limit, likewise divided), so the workers of
+one host together take what one worker alone would. On a cluster, pass ``host_budget``
+for each node's share.
 """
 
 # No "from __future__ import annotations": Ray pickles the deployments by value, and
@@ -82,14 +83,22 @@ def _tier(tiers: list[str] | None) -> str:
 
 
 def worker_budgets(
-    replicas: int, *, gpu: bool, options: dict[str, Any], limit: int | None = None
+    replicas: int,
+    *,
+    gpu: bool,
+    options: dict[str, Any],
+    limit: int | None = None,
+    store_bytes: int | None = None,
 ) -> dict[str, Any]:
     """One worker's options: ``options``, with the host tier (and on a CPU the device
-    tier) defaulting to the one-worker default divided by ``replicas``."""
+    tier) defaulting to the one-worker default divided by ``replicas``; the host tier no
+    larger than ``store_bytes``, what the store takes there
+    (:func:`nostall.cache.host.store_bytes`)."""
     from nostall.memory.host import memory_limit
 
     limit = limit or memory_limit()[0] or (16 << 30)
-    out = {"host_budget": limit // 2 // replicas}
+    host = limit // 2 // replicas
+    out = {"host_budget": host if store_bytes is None else min(host, store_bytes)}
     if not gpu:
         out["gpu_budget"] = limit // 4 // replicas
     return {**out, **options}
@@ -155,12 +164,16 @@ def build_fleet(
         def __init__(self, index: int):
             import ray
 
+            from nostall.cache.host import store_bytes
+            from nostall.cache.store import Store
             from nostall.serve.worker import Worker
 
             self.index = index
             self.actor = ray.get_runtime_context().get_actor_name()  # for operators (and tests)
-            budgets = worker_budgets(replicas, gpu=bool(gpus), options=opts)
-            self.worker = Worker(models, device=device, **budgets).start()
+            store = Store.shared(models)  # scanned once: sizing and the worker's cache share it
+            need = None if "host_budget" in opts else store_bytes(store, 1 << 62)
+            budgets = worker_budgets(replicas, gpu=bool(gpus), options=opts, store_bytes=need)
+            self.worker = Worker(store, device=device, **budgets).start()
 
         async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
             from nostall.errors import UnknownModel
@@ -209,7 +222,8 @@ def build_fleet(
             from nostall.cache.store import Store
 
             self.workers = list(workers)
-            store = Store(models)
+            # The process's one store of this folder, kept while the router lives.
+            self.store = store = Store.shared(models)
             self.names = store.names()
             self.nbytes = {
                 n: sum(

@@ -37,7 +37,13 @@ from typing import Any
 import torch
 
 from nostall.cache import ModelCache
-from nostall.errors import ArgumentError, NostallError
+from nostall.errors import (  # the job errors live in the one tree; imported here as before
+    ArgumentError,
+    Cancelled,
+    NostallError,
+    QueueFull,
+    ShuttingDown,
+)
 
 __all__ = [
     "ImageJob",
@@ -49,18 +55,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class QueueFull(NostallError):
-    """The worker's queue is full; retry later (HTTP 429)."""
-
-
-class ShuttingDown(NostallError):
-    """The worker is shutting down and takes no more work (HTTP 503)."""
-
-
-class Cancelled(NostallError):
-    """The client went away before the job started."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +113,9 @@ class _Ticket:
 class Worker:
     """The queue, the thread and the model cache of one serving process.
 
-    ``models``, ``device``, budgets and ``dtype`` are the :class:`~nostall.ModelCache`'s.
+    ``models``, ``device``, budgets and ``dtype`` are the :class:`~nostall.ModelCache`'s:
+    ``models`` a :class:`~nostall.cache.Store`, or a folder or mapping whose store this
+    process shares (an embedding service in the same process reads the same one).
     ``max_queue``: jobs allowed to wait (the running one not counted). ``prepare``: at
     :meth:`start`, do the first switch's one-time work for every pipeline
     (:meth:`ModelCache.prepare`). ``prefetch``: move the next queued job's pipeline
