@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from nostall.bench.fp8 import evaluate_targets
-from nostall.cli.main import app
+from nostall.cli import app
 
 pytest.importorskip("diffusers")
 

@@ -29,6 +29,7 @@ def test_every_page_cache_drop_is_announced_first_and_recorded(tmp_path, monkeyp
         repeat=1,
         methods=("nostall (staging ring)",),
         log=lambda line: events.append(("log", line)),
+        drop_caches=True,
     )
     drops = [i for i, (kind, _) in enumerate(events) if kind == "drop"]
     assert len(drops) == 3

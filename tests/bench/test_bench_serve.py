@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from nostall.cli.main import app
+from nostall.cli import app
 
 pytest.importorskip("fastapi")
 

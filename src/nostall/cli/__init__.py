@@ -1,0 +1,10 @@
+"""The ``nostall`` command: a thin layer over the public API, one module per command group.
+
+Importing this package registers every command on :data:`~nostall.cli.app.app`;
+:func:`main` is the console script (``python -m nostall.cli`` runs it too).
+"""
+
+from nostall.cli import bench, demo, load, quant, serve, switch, synthetic, video
+from nostall.cli.app import app, main
+
+__all__ = ["app", "bench", "demo", "load", "main", "quant", "serve", "switch", "synthetic", "video"]

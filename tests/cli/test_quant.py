@@ -1,5 +1,5 @@
-"""``nostall quantize`` under bad input and faults: one clean line, no traceback, and no
-output (final or partial) left behind."""
+"""``nostall quantize``: the conversion and its check; under bad input and faults one clean
+line, no traceback, and no output (final or partial) left behind."""
 
 from __future__ import annotations
 
@@ -15,9 +15,33 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from nostall.cli.main import app, main
+from nostall.cli import app, main
 
 runner = CliRunner()
+
+
+def test_quantize_command_converts_and_refuses_bad_input(tmp_path):
+    from safetensors.torch import load_file
+
+    src = tmp_path / "in.safetensors"
+    save_file({"lin.weight": torch.randn(32, 16), "norm.weight": torch.ones(16)}, str(src))
+    out = tmp_path / "out.safetensors"
+    result = runner.invoke(app, ["quantize", str(src), str(out)])
+    assert result.exit_code == 0, result.output
+    assert "1 tensors → FP8, 1 kept" in result.output
+    assert load_file(str(out))["lin.weight"].dtype == torch.float8_e4m3fn
+    again = runner.invoke(app, ["quantize", str(src), str(out)])
+    assert again.exit_code == 2 and "--overwrite" in again.output
+    fp8 = runner.invoke(app, ["quantize", str(out), str(tmp_path / "x.safetensors")])
+    assert fp8.exit_code != 0 and "already" in (fp8.output + str(fp8.exception))
+
+
+def test_quantize_check_prints_sqnr_per_component(tiny_store, tmp_path):
+    flux = str(tiny_store / "flux")
+    result = runner.invoke(app, ["quantize", flux, str(tmp_path / "fp8"), "--check"])
+    assert result.exit_code == 0, result.output
+    assert "SQNR" in result.output and "text_encoder_2" in result.output
+    assert "random token ids" in result.output and "per layer only" in result.output
 
 
 def _weights(rows=512):
@@ -87,7 +111,7 @@ def test_a_file_size_limit_is_a_clean_error_and_leaves_nothing(tmp_path, kind):
         "import resource, sys\n"
         "_, hard = resource.getrlimit(resource.RLIMIT_FSIZE)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, hard))\n"
-        "from nostall.cli.main import main\n"
+        "from nostall.cli import main\n"
         "main()\n"
     )
     proc = _run_cli(["-c", code, "quantize", str(src), str(out)])
@@ -122,7 +146,7 @@ def test_sigterm_mid_write_removes_the_partial_output_and_exits_143(tmp_path, ki
                 return real(w)
 
             convert.quantize_weight = slow
-            from nostall.cli.main import main
+            from nostall.cli import main
 
             sys.argv = ["nostall", "quantize", *sys.argv[2:]]
             main()

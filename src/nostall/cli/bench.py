@@ -1,0 +1,346 @@
+"""``nostall bench ...``: the benchmarks against the peers, written as JSON reports.
+
+The only command module that imports :mod:`nostall.bench`. Each benchmark module renders
+its own report (``tables(report)``: rich tables and lines); this one checks the options,
+runs the benchmark and prints them.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from nostall.cli.app import (
+    BENCH_OUT,
+    bench_app,
+    check_choices,
+    check_output,
+    console,
+    device_option,
+    in_range,
+    usage_errors,
+)
+
+__all__ = ["bench_decode", "bench_fp8", "bench_load", "bench_serve", "bench_switch"]
+
+_DEVICE = "cuda[:N] or cpu (default: cuda when available)."
+_SWITCH_SIZES = ("full", "full-lean", "full-flux", "tiny")
+
+
+def _log(line: str) -> None:
+    console.print(line, highlight=False)
+
+
+def _show(renderables: list) -> None:
+    for r in renderables:
+        console.print(r)
+
+
+def _drop_caches_option() -> bool:
+    return typer.Option(
+        False,
+        "--drop-caches",
+        help="Allow the cold measurements, which drop the OS page cache (sync; echo 3 > "
+        "/proc/sys/vm/drop_caches: every file cached on the machine, root only). Without "
+        "it they are skipped.",
+    )
+
+
+@bench_app.command("load")
+def bench_load(
+    preset: str = typer.Option(
+        "flux", help="flux (23.8 GB FluxTransformer2DModel default config) or tiny."
+    ),
+    device: str = device_option(_DEVICE),
+    folder: str = typer.Option(
+        "/tmp/nostall-bench/flux", help="Where the random checkpoint is written."
+    ),
+    out: str = typer.Option(
+        f"{BENCH_OUT}/load.json",
+        help="JSON report path (the recorded results live in docs/bench/).",
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace an existing report at --out."
+    ),
+    scenario: list[str] = typer.Option(  # noqa: B008
+        None, help="Scenarios to run: cold, page-cache, memory-cache (default: all three)."
+    ),
+    repeat: int = typer.Option(
+        2, callback=in_range(1), help="Runs per method in warm scenarios (best is reported)."
+    ),
+    method: list[str] = typer.Option(None, help="Only these methods (by name)."),  # noqa: B008
+    drop_caches: bool = _drop_caches_option(),
+) -> None:
+    """FLUX-size checkpoint → GPU: nostall vs safetensors, diffusers, fastsafetensors, runai.
+
+    The cold scenario drops the OS page cache (every file cached on the machine) before
+    each method, with --drop-caches only; each drop is announced before it happens and
+    recorded in the JSON.
+    """
+    from nostall.bench import load as bench
+    from nostall.synthetic import PRESETS
+
+    check_choices([preset], PRESETS, "--preset")
+    scenarios = check_choices(scenario or bench.SCENARIOS, bench.SCENARIOS, "--scenario")
+    check_output(out, hint="--out", overwrite=overwrite)
+    report = bench.run_load_bench(
+        preset=preset,
+        device=device,
+        folder=folder,
+        scenarios=scenarios,
+        repeat=repeat,
+        methods=tuple(method) if method else None,
+        log=_log,
+        drop_caches=drop_caches,
+    )
+    with usage_errors("--out"):
+        bench.write_report(report, out, overwrite=overwrite)
+    _show(bench.tables(report))
+    console.print(f"report written to {out}")
+
+
+@bench_app.command("decode")
+def bench_decode(
+    size: str = typer.Option("720p", help="720p (latents 16x41x90x160), 480p or tiny."),
+    dtype: list[str] = typer.Option(None, help="bf16 and/or fp32 (default: both)."),  # noqa: B008
+    latent_frames: int = typer.Option(
+        41, callback=in_range(1), help="Latent frames (41 → 161 video frames)."
+    ),
+    repeat: int = typer.Option(
+        10, callback=in_range(1), help="Timed decodes per mode, after one warm-up."
+    ),
+    device: str = device_option(_DEVICE),
+    preset: str = typer.Option("veryfast", help="libx264 preset."),
+    out: str = typer.Option(
+        f"{BENCH_OUT}/decode.json",
+        help="JSON report path (the recorded results live in docs/bench/).",
+    ),
+    figure: str = typer.Option(
+        f"{BENCH_OUT}/decode-timeline-{{dtype}}.png", help="Timeline picture (CUDA runs)."
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace an existing report or picture."
+    ),
+    work: str = typer.Option(None, help="Folder for the MP4s and traces (default: a temp dir)."),
+    part: list[str] = typer.Option(  # noqa: B008
+        None,
+        "--part",
+        help="Sections to run (repeatable): timed, memory (CUDA), back-to-back, modes. Default: all.",
+    ),
+    back_to_back: int = typer.Option(
+        3, callback=in_range(0), help="Videos in a row for the back-to-back section."
+    ),
+    mode: list[str] = typer.Option(  # noqa: B008
+        None,
+        "--mode",
+        help="Decoder modes for the modes section (repeatable): eager, exact, fast. Default: all.",
+    ),
+    devices: str = typer.Option(
+        None, "--devices", help="Modes section: also exact split over these GPUs (cuda:0,cuda:1)."
+    ),
+) -> None:
+    """Wan VAE decode: sync vs async vs decode-only, writing real MP4s; utilisation and
+    memory; the decoder modes (eager, exact, fast; exact over several GPUs) against each
+    other."""
+    import os
+    import tempfile
+
+    from nostall.bench import decode as bench
+    from nostall.bench.record import write_report
+    from nostall.errors import SinkError
+    from nostall.transfer.loader import resolve_device
+    from nostall.video import check_sink_path
+    from nostall.video.wan import check_devices
+
+    check_choices([size], bench.SIZES, "--size")
+    dtypes = check_choices(dtype or ("bf16", "fp32"), bench.DTYPES, "--dtype")
+    parts = check_choices(part or bench.PARTS, bench.PARTS, "--part")
+    modes = check_choices(mode or bench.DECODER_MODES, bench.DECODER_MODES, "--mode")
+    try:  # the sinks know the x264 presets; a nominal output path asks them
+        check_sink_path(os.path.join(tempfile.gettempdir(), "bench.mp4"), preset=preset)
+    except SinkError as e:
+        raise typer.BadParameter(str(e).removeprefix(f"{e.path}: "), param_hint="--preset") from e
+    if set(parts) == {"memory"} and not device.startswith("cuda"):  # else it is left out
+        raise typer.BadParameter(
+            f"the memory part measures peak GPU memory, which needs a CUDA device (--device "
+            f"cuda), not {device!r}",
+            param_hint="--part",
+        )
+    split = tuple(d.strip() for d in devices.split(",") if d.strip()) if devices else None
+    if split:
+        with usage_errors("--devices"):
+            first = resolve_device(device) if device.startswith("cuda") else None
+            check_devices(split, first)
+        if "modes" not in parts:
+            raise typer.BadParameter(
+                "is measured in the modes part; add --part modes", param_hint="--devices"
+            )
+    check_output(out, hint="--out", overwrite=overwrite)
+    if figure and "timed" in parts and device.startswith("cuda"):  # drawn from CUDA profiles
+        for name in dtypes:
+            check_output(figure.replace("{dtype}", name), hint="--figure", overwrite=overwrite)
+    report = bench.run_decode_bench(
+        size=size,
+        dtypes=dtypes,
+        latent_frames=latent_frames,
+        repeat=repeat,
+        device=device,
+        preset=preset,
+        out_dir=work,
+        figure=figure,
+        parts=parts,
+        back_to_back=back_to_back,
+        modes=modes,
+        devices=split,
+        log=_log,
+    )
+    with usage_errors("--out"):
+        write_report(report, out, overwrite=overwrite)
+    _show(bench.tables(report))
+    console.print(f"report written to {out}")
+
+
+@bench_app.command("serve")
+def bench_serve(
+    models: str = typer.Option(None, help="Pipeline store (default: tiny FLUX/SDXL/SD3)."),
+    device: str = device_option(_DEVICE),
+    part: list[str] = typer.Option(  # noqa: B008
+        None, "--part", help="worker, fleet, embed (repeatable). Default: all."
+    ),
+    clients: int = typer.Option(
+        16, callback=in_range(1), help="Concurrent clients of the worker and the fleet."
+    ),
+    requests: int = typer.Option(96, callback=in_range(1), help="Requests in the mixed stream."),
+    size: int = typer.Option(256, callback=in_range(16), help="Image side in pixels."),
+    steps: int = typer.Option(4, callback=in_range(1), help="Denoising steps per request."),
+    replicas: int = typer.Option(2, callback=in_range(1), help="Fleet workers (one GPU each)."),
+    encoder: str = typer.Option(
+        "flux/text_encoder_2",
+        help="Encoder the embed part loads; t5xxl/text_encoder_2 writes a real-size T5-XXL.",
+    ),
+    texts_each: int = typer.Option(
+        8, callback=in_range(1), help="Texts per embedding client (32 clients)."
+    ),
+    work: str = typer.Option(None, help="Folder for the written store."),
+    out: str = typer.Option(f"{BENCH_OUT}/serve.json", help="JSON report path."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing report."),
+) -> None:
+    """The worker, the Ray Serve fleet and the embedding service under concurrent load."""
+    from nostall.bench import serve as bench
+    from nostall.bench.record import write_report
+
+    parts = check_choices(part or bench.PARTS, bench.PARTS, "--part")
+    check_output(out, hint="--out", overwrite=overwrite)
+    with usage_errors():
+        report = bench.run_serve_bench(
+            models=models,
+            device=device,
+            parts=parts,
+            clients=clients,
+            requests=requests,
+            size=size,
+            steps=steps,
+            replicas=replicas,
+            encoder=encoder,
+            texts_each=texts_each,
+            work=work,
+            log=_log,
+        )
+    with usage_errors("--out"):
+        write_report(report, out, overwrite=overwrite)
+    _show(bench.tables(report))
+    console.print(f"report written to {out}")
+
+
+@bench_app.command("fp8")
+def bench_fp8(
+    size: str = typer.Option("full", help="full (FLUX.1-dev layout, 34 GB) or tiny."),
+    device: str = device_option(_DEVICE),
+    repeat: int = typer.Option(5, callback=in_range(1), help="Timed runs per figure (medians)."),
+    part: list[str] = typer.Option(  # noqa: B008
+        None, "--part", help="loads, forward, compile, cache, e2e (repeatable; default all)."
+    ),
+    compile_budget: float = typer.Option(
+        None,
+        callback=in_range(0.0),
+        help="Seconds the whole run may spend before the compile part skips a compile.",
+    ),
+    store: str = typer.Option(
+        None, help="FLUX store folder (written when absent, kept; its FP8 copy beside it)."
+    ),
+    out: str = typer.Option(
+        f"{BENCH_OUT}/fp8.json", help="JSON report path (recorded results: docs/bench/)."
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing report."),
+) -> None:
+    """FP8 against bf16 on FLUX, with torchao's FP8 as the peer: bytes, loads, one 1024x1024
+    forward (eager and compiled), the model cache against load_model, and 28 steps end to
+    end through the model cache."""
+    from nostall.bench import fp8 as bench
+    from nostall.bench.record import write_report
+
+    check_choices([size], bench.SIZES, "--size")
+    parts = check_choices(part or bench.PARTS, bench.PARTS, "--part")
+    check_output(out, hint="--out", overwrite=overwrite)
+    with usage_errors():
+        report = bench.run_fp8_bench(
+            size=size,
+            device=device,
+            store=store,
+            repeat=repeat,
+            parts=parts,
+            compile_budget_s=compile_budget,
+            log=_log,
+        )
+    with usage_errors("--out"):
+        write_report(report, out, overwrite=overwrite)
+    _show(bench.tables(report))
+    console.print(f"report written to {out}")
+
+
+@bench_app.command("switch")
+def bench_switch(
+    size: str = typer.Option(
+        "full",
+        help="full (FLUX.1-dev 34 GB + SDXL 6.9 GB layouts, and a second FLUX transformer), "
+        "full-lean (no second FLUX: fits a 128 GiB host), full-flux (FLUX alone, and its FP8 "
+        "copy for the memory-hit part) or tiny.",
+    ),
+    folder: str = typer.Option(
+        "/tmp/nostall-bench/store", help="Where the random store is written."
+    ),
+    device: str = device_option(_DEVICE),
+    out: str = typer.Option(
+        f"{BENCH_OUT}/switch.json", help="JSON report path (recorded results live in docs/bench/)."
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace an existing report at --out."
+    ),
+    part: list[str] = typer.Option(  # noqa: B008
+        None,
+        "--part",
+        help="Parts to run (repeatable): nostall, new-process, cold, same-arch, prefetch, "
+        "peers, identity, memory-hit, diffusers.",
+    ),
+    drop_caches: bool = _drop_caches_option(),
+) -> None:
+    """Whole-pipeline switches: nostall's model cache against diffusers and the others.
+
+    The cold part, and the identity part's cold runs, drop the OS page cache (announced
+    before it happens), with --drop-caches only."""
+    from nostall.bench import switch as bench
+    from nostall.bench.record import write_report
+
+    parts = check_choices(part or bench.PARTS, bench.PARTS, "--part")
+    check_choices([size], _SWITCH_SIZES, "--size")
+    check_output(out, hint="--out", overwrite=overwrite)
+    report = bench.run_switch_bench(
+        folder=folder,
+        size=size,
+        device=device,
+        parts=parts,
+        log=_log,
+        save=lambda r: write_report(r, out, overwrite=True),
+        drop_caches=drop_caches,
+    )
+    _show(bench.tables(report))
+    console.print(f"report written to {out}")

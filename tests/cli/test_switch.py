@@ -1,0 +1,50 @@
+"""``nostall switch`` and ``nostall index`` on the shared tiny store."""
+
+from __future__ import annotations
+
+import pytest
+from cli_support import runner, usage_error
+
+from nostall.cli import app
+
+
+def test_switch_prints_a_table_per_switch_and_the_tiers(tiny_store):
+    result = runner.invoke(
+        app, ["switch", "--models", str(tiny_store), "--device", "cpu", "flux", "sdxl", "flux"]
+    )
+    assert result.exit_code == 0, result.output
+    assert result.output.count("switch → flux on cpu") == 2
+    assert "switch → sdxl on cpu" in result.output
+    assert "tiers after the switches" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--gpu-gb", "0"], "Invalid value for --gpu-gb: must be a positive number of GB, got 0"),
+        (["--steps", "-1"], "'--steps': -1 is out of range; give at least 0"),
+        (["--dtype", "int8"], "'int8' is not a cast target"),
+        (["--device", "tpu"], "'tpu' is not a device"),
+    ],
+)
+def test_bad_switch_options_are_usage_errors(tiny_store, args, says):
+    result = runner.invoke(app, ["switch", "--models", str(tiny_store), "flux", *args])
+    usage_error(result, says)
+
+
+def test_index_hashes_a_store_once_and_says_what_is_shared(tiny_store, tmp_path):
+    from nostall.cache import Store
+
+    args = ["index", str(tiny_store), "--cache-dir", str(tmp_path / "idx")]
+    args += ["--name", "flux", "--name", "flux-b"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "hashed" in result.output and "one copy: flux/text_encoder, flux-b/text_encoder" in (
+        result.output.replace("\n", " ")
+    )
+    s = Store(tiny_store, cache_dir=tmp_path / "idx")
+    assert all(c.exact for n in ("flux", "flux-b") for c in s.entry(n).weights)
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0 and "hashed 0.00 GB" in again.output  # nothing new
+    bad = runner.invoke(app, [*args, "--name", "flx"])
+    assert bad.exit_code != 0 and "did you mean 'flux'" in bad.output + str(bad.exception)
