@@ -7,7 +7,7 @@ import json
 import sys
 
 from nostall.bench.decode import merge_reports
-from nostall.bench.load import write_report
+from nostall.bench.record import write_report
 
 if len(sys.argv) < 3:
     sys.exit(__doc__)

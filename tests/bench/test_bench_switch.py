@@ -49,7 +49,12 @@ def test_cold_part_drops_the_cache_announced_and_compares_with_the_disk(tmp_path
         load_bench, "disk_limit", lambda path, *, direct, drop: drop("dd") or (2.0, 1.5)
     )
     report = run_switch_bench(
-        folder=str(tmp_path / "store"), size="tiny", device="cpu", parts=("cold",), log=lines.append
+        folder=str(tmp_path / "store"),
+        size="tiny",
+        device="cpu",
+        parts=("cold",),
+        log=lines.append,
+        drop_caches=True,
     )
     cold = report["cold"]
     assert "error" not in cold, cold
@@ -59,14 +64,15 @@ def test_cold_part_drops_the_cache_announced_and_compares_with_the_disk(tmp_path
 
 
 def test_identity_memory_hit_and_diffusers_parts(tmp_path, monkeypatch):
-    from nostall.bench import load as load_bench
-    from nostall.bench.switch import run_switch_bench
-
     import contextlib
     import io
     import types
+    import weakref
 
+    from nostall.bench import load as load_bench
     from nostall.bench import switch as switch_bench
+    from nostall.bench.switch import run_switch_bench
+    from nostall.cache import store as store_mod
 
     drops = []
     monkeypatch.setattr(load_bench, "drop_caches", lambda: drops.append(1))
@@ -75,6 +81,8 @@ def test_identity_memory_hit_and_diffusers_parts(tmp_path, monkeypatch):
         args = types.SimpleNamespace(store=self.folder, name=name, device="cpu", size=self.size,
                                      cache_dir=cache_dir or self.digests)  # fmt: skip
         buf = io.StringIO()
+        # a new process starts with no store: forget the ones this process shares
+        monkeypatch.setattr(store_mod, "_SHARED", weakref.WeakValueDictionary())
         with contextlib.redirect_stdout(buf):
             switch_bench._child(args)
         return json.loads(buf.getvalue().strip().splitlines()[-1])
@@ -86,6 +94,7 @@ def test_identity_memory_hit_and_diffusers_parts(tmp_path, monkeypatch):
         device="cpu",
         parts=("identity", "memory-hit", "diffusers", "new-process"),
         log=lambda s: None,
+        drop_caches=True,
     )
     for part in ("identity", "memory-hit", "diffusers", "new-process"):
         assert "error" not in report[part], report[part]

@@ -16,7 +16,6 @@ re-evaluates the targets.
 from __future__ import annotations
 
 import copy
-import datetime as dt
 import os
 import tempfile
 import time
@@ -25,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from nostall.bench.load import _commit, _hardware
+from nostall.bench.record import header
 from nostall.bench.timeline import load_trace, plot_timelines
 from nostall.video import (
     AsyncFramePipeline,
@@ -118,10 +117,7 @@ def run_decode_bench(
     out_dir = out_dir or tempfile.mkdtemp(prefix="nostall-decode-")
     os.makedirs(out_dir, exist_ok=True)
     report: dict = {
-        "benchmark": "decode",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
-        "hardware": _hardware(dev),
+        **header("decode", dev),
         "config": {
             "vae": "diffusers AutoencoderKLWan() defaults, random weights"
             if size != "tiny"
@@ -625,12 +621,16 @@ def merge_reports(reports: list[dict]) -> dict:
             {
                 "date": r["date"],
                 "commit": r["commit"],
+                "dirty": r.get("dirty"),
                 "dtypes": sorted(r["results"]),
                 "parts": _parts_in(r),
             }
         )
         for name, res in r["results"].items():
             merged["results"].setdefault(name, {}).update(res)
+    # One run from a changed tree makes the merged record one; unknown stays unknown.
+    dirty = [run["dirty"] for run in merged["runs"]]
+    merged["dirty"] = True if True in dirty else (False if all(d is False for d in dirty) else None)
     merged["targets"] = evaluate_targets(merged)
     merged["summary"] = summarise(merged)
     return merged
@@ -650,3 +650,77 @@ _PART_KEYS = {
     "back-to-back": "back_to_back",
     "modes": "modes",
 }
+
+
+def tables(report: dict) -> list:
+    """What ``nostall bench decode`` prints after a run: sync, async and decode-only per
+    dtype, back to back, the decoder modes, the targets and the summary lines."""
+    from rich.table import Table
+
+    from nostall.bench import targets
+
+    cfg, out = report["config"], []
+    on = report["hardware"].get("gpu", "CPU")
+    table = Table(title=f"decode bench: {cfg['size']}, {cfg['frames']} frames, {on}")
+    cols = ("dtype", "mode", "min s", "mean s", "p99 s", "frames/s", "RTF@24", "close s", "util")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("dtype", "mode") else "right")
+    for name, res in report["results"].items():
+        for mode in ("decode-only", "sync", "async"):
+            if mode not in res:
+                continue
+            r = res[mode]
+            u = res.get("utilisation", {}).get(mode, {}).get("steady_two_chunks")
+            table.add_row(name, mode, f"{r['min']:.3f}", f"{r['mean']:.3f}", f"{r['p99']:.3f}",
+                          f"{r['frames_per_s']:.1f}", f"{r['rtf']:.3f}",
+                          f"{r['close_mean_s']:.3f}" if "close_mean_s" in r else "",
+                          f"{u:.2%}" if u is not None else "")  # fmt: skip
+    if table.row_count:
+        out.append(table)
+    b2b = {n: r["back_to_back"] for n, r in report["results"].items() if "back_to_back" in r}
+    if b2b:
+        bt = Table(title="back to back: seconds per video")
+        for col in ("dtype", "videos", "decode-only", "one at a time", "submit_decode"):
+            bt.add_column(col, justify="left" if col == "dtype" else "right")
+        for name, r in b2b.items():
+            bt.add_row(
+                name,
+                str(r["videos"]),
+                f"{r['decode_only_per_video_s']:.3f}",
+                f"{r['one_at_a_time_per_video_s']:.3f} ({r['one_at_a_time_vs_decode_only']:.3f}x)",
+                f"{r['submit_per_video_s']:.3f} ({r['submit_vs_decode_only']:.3f}x)",
+            )
+        out.append(bt)
+    by_mode = {n: r["modes"] for n, r in report["results"].items() if "modes" in r}
+    if by_mode:
+        mt = Table(title="decoder modes: seconds per video (mean)")
+        for col in ("dtype", "mode", "first call", "decode-only", "async MP4", "ratio", "peak GiB",
+                    "frames vs eager", "PSNR vs fp32", "busy"):  # fmt: skip
+            mt.add_column(col, justify="left" if col in ("dtype", "mode") else "right")
+        for name, m in by_mode.items():
+            rows = list(m.items())
+            two = report["results"][name].get("devices")
+            if two:
+                rows.append((f"exact x{len(two['devices'])} GPUs", two))
+            for label, r in rows:
+                same = r.get("bit_identical")
+                db = r.get("psnr_db_vs_fp32_eager", "")
+                busy = (r.get("utilisation_async_mp4") or {}).get("steady_two_chunks")
+                mt.add_row(
+                    name,
+                    label,
+                    f"{r['first_call_s']:.3f}",
+                    f"{r['decode_only']['mean']:.3f}",
+                    f"{r['async_mp4']['mean']:.3f}",
+                    f"{r['async_mp4']['mean'] / r['decode_only']['mean']:.4f}x",
+                    f"{r['peak_gib']:.3f}" if "peak_gib" in r else "",
+                    ""
+                    if same is None
+                    else ("bit-identical" if same else f"{r['mismatches']} differ"),
+                    "same" if db is None else (f"{db:.2f} dB" if db != "" else ""),
+                    f"{busy:.2%}" if busy is not None else "",
+                )
+        out.append(mt)
+    out.append(targets.table(report["targets"]))
+    out += [f"·  {item['what']}: {item['value']}" for item in report.get("summary", [])]
+    return out

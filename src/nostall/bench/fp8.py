@@ -28,7 +28,6 @@ recomputes them.
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
 import statistics
@@ -38,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from nostall.bench.load import _commit, _hardware
+from nostall.bench.record import header
 from nostall.quant.check import sqnr_db
 from nostall.synthetic.transformer import safetensors_bytes, step_inputs
 
@@ -142,10 +141,7 @@ def run_fp8_bench(
     src = os.path.join(store, "flux", "transformer")
     dst = os.path.join(fp8_root, "flux8", "transformer")
     report: dict = {
-        "benchmark": "fp8",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
-        "hardware": _hardware(dev),
+        **header("fp8", dev),
         "config": {
             "model": "FLUX.1-dev layout, random weights (transformer 23.8 GB bf16)"
             if size == "full"
@@ -493,6 +489,67 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--save", required=True)
     _compile_child(parser.parse_args(argv))
     return 0
+
+
+def tables(report: dict) -> list:
+    """What ``nostall bench fp8`` prints after a run: bf16 against FP8 (and the torchao
+    peer where it ran), how the FP8 layers computed, then the targets."""
+    from rich.table import Table
+
+    from nostall.bench import targets
+
+    res = report["results"]
+    table = Table(title=f"FP8 vs bf16: {report['config']['model']}")
+    for col in ("figure", "bf16", "fp8", "fp8 / bf16", "torchao (peer)"):
+        table.add_column(col, justify="left" if col == "figure" else "right")
+    b = res["bytes"]
+    table.add_row("transformer weights (GB)", f"{b['bf16'] / 1e9:.3f}", f"{b['fp8'] / 1e9:.3f}",
+                  f"{b['ratio']:.3f}", "")  # fmt: skip
+    loads = res.get("loads", {})
+    for key, label in (
+        ("page_cache_load_s", "page-cache load (s)"),
+        ("memory_hit_s", "memory hit, load_model (s)"),
+        ("switch_hit_s", "memory-hit switch (s)"),
+    ):
+        r = loads.get(key)
+        if r:
+            table.add_row(label, f"{r['bf16']:.3f}", f"{r['fp8']:.3f}", f"{r['ratio']:.3f}", "")
+    fwd = res.get("forward", {})
+    if "bf16_eager_s" in fwd:
+        ao = fwd.get("torchao", {})
+        table.add_row(
+            "forward, eager (ms)",
+            f"{fwd['bf16_eager_s'] * 1e3:.1f}",
+            f"{fwd['fp8_eager_s'] * 1e3:.1f}",
+            f"{fwd['fp8_vs_bf16_eager']:.3f}",
+            f"{ao['eager_s'] * 1e3:.1f}" if "eager_s" in ao else ao.get("error", "")[:40],
+        )
+        table.add_row("output SQNR vs bf16 (dB)", "", f"{fwd['sqnr_db']:.2f}", "",
+                      f"{ao['sqnr_db']:.2f}" if "sqnr_db" in ao else "")  # fmt: skip
+    comp = res.get("compile", {})
+    if "bf16_compiled_s" in comp:
+        fp8 = comp.get("fp8_compiled_s")
+        table.add_row(
+            "forward, compiled (ms)",
+            f"{comp['bf16_compiled_s'] * 1e3:.1f}",
+            f"{fp8 * 1e3:.1f}" if fp8 else comp.get("fp8_skipped", "—"),
+            f"{fp8 / comp['bf16_compiled_s']:.3f}" if fp8 else "",
+            "",
+        )
+    e2e = res.get("e2e", {})
+    if "fp8_speedup" in e2e:
+        table.add_row(
+            f"end to end, {e2e['steps']} steps at {e2e['resolution']}² (s)",
+            f"{e2e['bf16']['total_s']:.3f}",
+            f"{e2e['fp8']['total_s']:.3f}",
+            f"{1 / e2e['fp8_speedup']:.3f}",
+            "",
+        )
+    if "equal" in res.get("cache", {}):
+        equal = str(bool(res["cache"]["equal"]))
+        table.add_row("model cache = load_model (FP8)", "", equal, "", "")
+    compute = f"FP8 linear layers: {report['config']['fp8_compute'][1]}"
+    return [table, compute, targets.table(report["targets"])]
 
 
 if __name__ == "__main__":

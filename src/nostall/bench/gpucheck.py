@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from nostall.bench.record import write_report
+
 __all__ = ["junit_summary", "run_smoke"]
 
 
@@ -236,11 +238,12 @@ def _gpu() -> dict:
 
 
 def build_report(junit: str, smoke: str | None, demo_rc: int | None) -> dict:
-    from nostall.bench.load import _commit
+    from nostall.bench.record import provenance
 
     report = {
+        "benchmark": "gpu-check",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        **provenance().as_dict(),
         "hardware": _gpu(),
         "cuda_tests": junit_summary(junit),
         "demo_rc": demo_rc,
@@ -268,8 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         report = run_smoke()
     else:
         report = build_report(args.junit, args.smoke, args.demo_rc)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+    write_report(report, args.out)
     print(json.dumps(report, indent=2)[:6000])
     return 0
 

@@ -17,10 +17,7 @@ the same file) and the comparison is recorded.
 
 from __future__ import annotations
 
-import datetime as dt
-import json
 import os
-import platform
 import subprocess
 import time
 from collections.abc import Callable
@@ -30,12 +27,14 @@ from typing import Any
 import torch
 
 from nostall.bench.peers import PEERS, Method, missing_requirement
-from nostall.errors import ArgumentError
+from nostall.bench.record import check_new_output, header, write_report
 from nostall.memory.pool import PinnedPool
 from nostall.synthetic import make_checkpoint
 from nostall.transfer.loader import Loader, resolve_device
 
-__all__ = ["Record", "run_load_bench"]
+# check_new_output and write_report live in nostall.bench.record; named here for the
+# callers that import them from this module.
+__all__ = ["Record", "check_new_output", "run_load_bench", "write_report"]
 
 SCENARIOS = ("cold", "page-cache", "memory-cache")
 
@@ -70,6 +69,11 @@ def drop_caches() -> str | None:
         return None
     except OSError as e:
         return f"cannot drop the page cache ({e.strerror}); run as root for cold numbers"
+
+
+def _drop_now() -> str | None:
+    # Looked up when called (run_load_bench's drop_caches flag shadows the name there).
+    return drop_caches()
 
 
 def _sync(device: torch.device) -> None:
@@ -180,12 +184,15 @@ def run_load_bench(
     repeat: int = 2,
     methods: tuple[str, ...] | None = None,
     log: Callable[[str], None] = print,
+    drop_caches: bool = False,
 ) -> dict:
     """Run the benchmark and return the JSON-able report (see module docstring).
 
-    The cold scenario drops the OS page cache before each method and each ``dd`` read:
-    ``log`` announces every drop before it happens, and the report lists them all in
-    ``page_cache_drops`` (``before``, ``dropped``, ``note``).
+    The cold scenario needs the OS page cache dropped before each method and each ``dd``
+    read, which evicts every file cached on the machine: only with ``drop_caches=True``
+    (else its records say they were skipped and why). ``log`` announces every drop before
+    it happens, and the report lists them all in ``page_cache_drops`` (``before``,
+    ``dropped``, ``note``).
     """
     dev = resolve_device(device)
     for s in scenarios:
@@ -277,9 +284,13 @@ def run_load_bench(
     drops: list[dict[str, Any]] = []
 
     def drop(before: str) -> str | None:
+        if not drop_caches:
+            why = "the page cache is dropped only when asked (drop_caches=True, --drop-caches)"
+            drops.append({"before": before, "dropped": False, "note": why})
+            return why
         # Said every time, before it happens: it evicts every file cached on the machine.
         log(f"dropping the OS page cache ({_DROP_COMMAND}) before {before}")
-        why = drop_caches()
+        why = _drop_now()
         drops.append({"before": before, "dropped": why is None, "note": why or ""})
         if why:
             log(f"  not dropped: {why}")
@@ -357,6 +368,8 @@ def run_load_bench(
         for m in plan["memory-cache"]:
             measure(m, "memory-cache", max(repeat, 3))
     if "cold" in scenarios:
+        if not drop_caches:
+            log("cold: skipped; it drops the OS page cache, which happens only when asked")
         for direct in (False, True):
             r = disk_limit(weights, direct=direct, drop=drop)
             key = "disk_direct" if direct else "disk_buffered"
@@ -374,10 +387,7 @@ def run_load_bench(
     ref.clear()
     _free(dev)
     report = {
-        "benchmark": "load",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
-        "hardware": _hardware(dev),
+        **header("load", dev),
         "checkpoint": {"preset": preset, "bytes": size, "path": weights},
         "limits": limits,
         "records": [asdict(r) for r in records],
@@ -467,42 +477,6 @@ def _best(recs: dict, scenario: str, prefix: str, exclude: str | None = None):
     return min(cands, key=lambda x: x[1]) if cands else None
 
 
-def _commit() -> str:
-    # The GPU machine gets a copy of the working tree whose .git may be stale; the
-    # device script passes the real commit in NOSTALL_COMMIT.
-    env = os.environ.get("NOSTALL_COMMIT")
-    if env and env != "unknown":
-        return env
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "-uno"], capture_output=True, text=True
-        )
-        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _hardware(dev: torch.device) -> dict:
-    hw = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-    }
-    try:
-        with open("/proc/meminfo") as f:
-            hw["ram_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    if dev.type == "cuda":
-        p = torch.cuda.get_device_properties(dev)
-        hw.update(gpu=p.name, gpu_mem_gib=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda)
-    return hw
-
-
 def summarize(report: dict) -> list[list[str]]:
     """Rows for a table: method, then seconds / GB/s per scenario."""
     methods: list[str] = []
@@ -527,47 +501,22 @@ def summarize(report: dict) -> list[list[str]]:
     return rows
 
 
-def check_new_output(path: str, *, overwrite: bool) -> None:
-    """Raise :class:`~nostall.ArgumentError` if ``path`` exists and ``overwrite`` is off.
+def tables(report: dict) -> list:
+    """What ``nostall bench load`` prints after a run: each method's best run per
+    scenario, then each target on a line."""
+    from rich.table import Table
 
-    Called before a run (which may take an hour) so that a recorded result, such as
-    ``docs/bench/load.json``, is never replaced by accident.
-
-    Example::
-
-        >>> check_new_output("docs/bench/load.json", overwrite=False)
-        Traceback (most recent call last):
-        nostall.errors.ArgumentError: docs/bench/load.json already exists; ...
-    """
-    if not overwrite and os.path.lexists(path):
-        raise ArgumentError(
-            f"{path} already exists; benchmarks do not write over a recorded result. "
-            f"Choose another --out, or pass --overwrite to replace it"
-        )
-
-
-def write_report(report: dict, path: str, *, overwrite: bool = True) -> None:
-    """Write ``report`` as JSON to ``path``, atomically (a reader never sees half a file).
-
-    With ``overwrite=False`` an existing ``path`` is left alone and
-    :class:`~nostall.ArgumentError` is raised (the report stays in ``path.partial``).
-    """
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".partial"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2)
-    if overwrite:
-        os.replace(tmp, path)
-        return
-    try:
-        os.link(tmp, path)  # fails if path appeared during the run, unlike os.replace
-    except FileExistsError as e:
-        raise ArgumentError(
-            f"{path} appeared while the benchmark ran; the report was kept in {tmp}. Move "
-            f"it where you want it, or run again with --overwrite"
-        ) from e
-    except OSError:  # a file system without hard links: check, then rename
-        check_new_output(path, overwrite=False)
-        os.replace(tmp, path)
-        return
-    os.unlink(tmp)
+    table = Table(
+        title=f"load bench ({report['checkpoint']['preset']}, "
+        f"{report['checkpoint']['bytes'] / 1e9:.2f} GB) on {report['hardware'].get('gpu', 'CPU')}"
+    )
+    table.add_column("method")
+    for s in SCENARIOS:
+        table.add_column(s, justify="right")
+    for row in summarize(report):
+        table.add_row(*row)
+    out: list = [table]
+    for t in report["targets"]:
+        mark = {True: "[green]met[/green]", False: "[red]MISSED[/red]", None: "?"}[t["met"]]
+        out.append(f"{mark}  {t['target']}: {t['detail']}")
+    return out

@@ -21,7 +21,6 @@ The report's ``targets`` are issue #11's.
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import tempfile
 import threading
@@ -31,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from nostall.bench.load import _commit, _hardware
+from nostall.bench.record import header
 
 __all__ = ["evaluate_targets", "run_serve_bench"]
 
@@ -360,10 +359,7 @@ def run_serve_bench(
     dev = torch.device(device)
     budgets: dict[str, Any] = {}
     report: dict = {
-        "benchmark": "serve",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
-        "hardware": _hardware(dev),
+        **header("serve", dev),
         "config": {
             "models": str(models),
             "parts": list(parts),
@@ -420,3 +416,10 @@ def evaluate_targets(report: dict) -> dict[str, dict]:
     target("embed_batching_speedup", e.get("batching_speedup"), ">=", 4.0)
     target("embed_cache_hit_ms", e.get("cache_hit_ms_p50"), "<=", 2.0)
     return t
+
+
+def tables(report: dict) -> list:
+    """What ``nostall bench serve`` prints after a run: the targets."""
+    from nostall.bench import targets
+
+    return [targets.table(report["targets"])]

@@ -38,7 +38,6 @@ Every cache of the benchmark keeps its digest index in ``<folder>/.digests``.
 
 from __future__ import annotations
 
-import datetime as dt
 import gc
 import json
 import os
@@ -146,8 +145,10 @@ class _StepClock:
 
 
 class _Bench:
-    def __init__(self, folder: str, size: str, dev: torch.device, log: Callable[[str], None]):
+    def __init__(self, folder: str, size: str, dev: torch.device, log: Callable[[str], None],
+                 drop_caches: bool = False):  # fmt: skip
         self.folder, self.size, self.dev, self.log = folder, size, dev, log
+        self.drop_caches = drop_caches  # dropping evicts every file cached on the machine
         self.cfg = _SIZES[size]
         self.paths = {n: os.path.join(folder, n) for n in self.cfg["pipelines"]}
         self.digests = os.path.join(folder, ".digests")
@@ -251,6 +252,8 @@ class _Bench:
         from nostall.bench import load as load_bench
 
         def drop(before: str) -> str | None:
+            if not self.drop_caches:
+                return "the page cache is dropped only when asked (drop_caches=True, --drop-caches)"
             self.log(
                 f"  dropping the OS page cache (sync; echo 3 > drop_caches) before the {before}"
             )
@@ -394,12 +397,12 @@ class _Bench:
                 f"{r['switch']['total_s']:.3f} s ({r['switch']['gbps']:.2f} GB/s)"
             )
 
-        for _ in range(self.cfg["repeats"] - 1):
+        for _ in range(self.cfg["repeats"] - 1 if self.drop_caches else 0):  # cold: when asked
             run("cold", True)
             run("cold", False)
         run("page_cache", True)
         run("page_cache", False)
-        for kind in ("cold", "page_cache"):
+        for kind in ("cold", "page_cache") if self.drop_caches else ("page_cache",):
             with_ = [r["total_s"] for r in out[kind] if r["hashing"]]
             without = [r["total_s"] for r in out[kind] if not r["hashing"]]
             out[f"{kind}_overhead"] = min(with_) / min(without) - 1
@@ -681,9 +684,11 @@ def run_switch_bench(
     parts: tuple[str, ...] = PARTS,
     log: Callable[[str], None] = print,
     save: Callable[[dict], None] | None = None,
+    drop_caches: bool = False,
 ) -> dict:
-    """Write (or reuse) the store, run the parts, return the report (saved after each part)."""
-    from nostall.bench.load import _commit, _hardware
+    """Write (or reuse) the store, run the parts, return the report (saved after each part);
+    the cold runs drop the OS page cache (all of it), only with ``drop_caches=True``."""
+    from nostall.bench.record import header
     from nostall.synthetic import write_store
     from nostall.transfer.loader import resolve_device
 
@@ -692,10 +697,7 @@ def run_switch_bench(
     cfg = _SIZES[size]
     write_store(folder, cfg["pipelines"], size=cfg["store_size"], device=dev, progress=log)
     report: dict[str, Any] = {
-        "benchmark": "switch",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
-        "hardware": _hardware(dev),
+        **header("switch", dev),
         "config": {"size": size, "device": str(dev), **_SIZES[size], "parts": list(parts)},
         "store_write_s": time.perf_counter() - t,
     }
@@ -709,7 +711,7 @@ def run_switch_bench(
         }
         for n in store.names()
     }
-    bench = _Bench(folder, size, dev, log)
+    bench = _Bench(folder, size, dev, log, drop_caches)
     for part in parts:
         log(f"== {part}")
         t = time.perf_counter()
@@ -772,66 +774,27 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-def plot_switch(report: dict, path: str) -> None:
-    """Bars: seconds to switch to FLUX and to SDXL, nostall's tiers beside the peers."""
-    import matplotlib
+def tables(report: dict) -> list:
+    """What ``nostall bench switch`` prints: the run's FLUX figures side by side (memory
+    hits, the peer, new processes), then the targets."""
+    from rich.table import Table
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from nostall.bench import targets
 
-    peers = report.get("peers", {})
-    n = report.get("nostall", {})
-
-    def first(rows, name, key="switch_s"):
-        vals = [r[key] for r in rows if r.get("pipeline") == name]
-        return min(vals) if vals else None
-
-    rows = [
-        (
-            "diffusers from_pretrained + .to",
-            first(peers.get("diffusers_from_pretrained_to", []), "flux"),
-            first(peers.get("diffusers_from_pretrained_to", []), "sdxl"),
-        ),
-        (
-            "CPU-resident, .to moves (out + in)",
-            first(peers.get("cpu_resident_to", []), "flux"),
-            first(peers.get("cpu_resident_to", []), "sdxl"),
-        ),
-        (
-            "nostall load_model per component",
-            first(peers.get("nostall_load_model", []), "flux"),
-            first(peers.get("nostall_load_model", []), "sdxl"),
-        ),
-        (
-            "nostall ModelCache, host-tier hit",
-            n.get("flux_whole_from_host", {}).get("switch", {}).get("total_s"),
-            n.get("sdxl_whole_from_host", {}).get("switch", {}).get("total_s"),
-        ),
-    ]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.4), sharey=True)
-    for ax, col, title in (
-        (axes[0], 1, "switch to FLUX.1-dev layout (33.7 GB)"),
-        (axes[1], 2, "switch to SDXL (6.9 GB)"),
-    ):
-        labels = [r[0] for r in rows if r[col] is not None]
-        vals = [r[col] for r in rows if r[col] is not None]
-        colors = [
-            "#999999" if not lab.startswith("nostall ModelCache") else "#2a7ab9" for lab in labels
-        ]
-        bars = ax.barh(labels, vals, color=colors)
-        ax.set_xscale("log")
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("seconds (log scale)")
-        for bar, v in zip(bars, vals, strict=True):
-            ax.text(
-                v * 1.08, bar.get_y() + bar.get_height() / 2, f"{v:.2f} s", va="center", fontsize=8
-            )
-        ax.set_xlim(0.05, max(vals) * 4)
-    fig.suptitle(
-        f"whole-pipeline switch on {report.get('hardware', {}).get('gpu', '?')} "
-        f"(commit {report.get('commit', '?')})",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    get, hits = report.get, report.get("memory-hit", {})
+    rows = [(f"nostall, whole {k} FLUX from the host tier", s["total_s"], f"{s['moved_bytes'] / 1e9:.2f}",
+             f"{s['gbps']:.1f}") for k in ("bf16", "fp8") if (s := hits.get(k, {}).get("switch"))]  # fmt: skip
+    peers = get("diffusers", {}).get("diffusers_from_pretrained_to", [])
+    rows += [("diffusers from_pretrained + .to (bf16)", r["switch_s"], "", "") for r in peers]
+    rows += [(f"new process, {k.replace('_', ' ')}, "
+              f"{'hashing every byte' if r['hashing'] else 'digests known'}", r["total_s"], "", "")
+             for k in ("cold", "page_cache") for r in get("identity", {}).get(k, [])]  # fmt: skip
+    if s := get("new-process", {}).get("switch"):
+        rows.append(("new process, page cache (prepared)", s["total_s"], "", ""))
+    figures = Table(title="FLUX switches, same run", title_justify="left")
+    for col in ("what", "seconds", "GB moved", "GB/s"):
+        figures.add_column(col, justify="left" if col == "what" else "right")
+    for what, seconds, moved, rate in rows:
+        figures.add_row(what, f"{seconds:.3f}", moved, rate)
+    title = f"switch bench ({report['config']['size']}) on {report['hardware'].get('gpu', report['config']['device'])}"
+    return [figures] * bool(rows) + [targets.table(get("targets", {}), title=title)]

@@ -1,0 +1,458 @@
+"""The generated tables of docs/BENCHMARKS.md: what each shows, and from which record.
+
+Each block is a function of the records (:class:`~nostall.bench.markdown.Doc`) that
+returns markdown; :mod:`nostall.bench.render` puts it between the document's
+``<!-- bench:NAME -->`` and ``<!-- /bench -->`` markers. Every number in a block comes
+from a record under ``docs/bench/`` (the latest of a bench is ``<bench>.json``, older
+and partial runs are under ``history/``); the words around the numbers are fixed here.
+The README's headline figures are :mod:`nostall.bench.headlines`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from nostall.bench.markdown import NA, Doc, num, provenance, secs, table, targets_table, when
+
+__all__ = [
+    "BLOCKS",
+    "DECODE",
+    "FP8",
+    "GPU_CHECK",
+    "LOAD",
+    "LOAD_COLD",
+    "MODES",
+    "SWITCH",
+    "SWITCH_A",
+    "SWITCH_B",
+    "peer_times",
+    "span",
+]
+
+LOAD = "load.json"
+LOAD_COLD = "history/load-cold-842f99e.json"
+DECODE = "decode.json"
+MODES = "history/decode-modes-0871722.json"
+SWITCH_A = "history/switch-e4f0342.json"
+SWITCH_B = "history/switch-lean-f40f06d.json"
+SWITCH = "switch.json"
+FP8 = "fp8.json"
+GPU_CHECK = "gpu-check.json"
+
+_LOAD_LABELS = {
+    "safetensors load_file": 'safetensors `load_file(device="cuda")`',
+    "diffusers from_pretrained + .to": 'diffusers `from_pretrained` + `.to("cuda")`',
+    "diffusers device_map": 'diffusers `from_pretrained(device_map="cuda")`',
+    "runai-model-streamer + .to": "runai-model-streamer + `.to`",
+    "nostall (staging ring)": "nostall, staging ring (no pool)",
+    "nostall (pool, read)": "nostall, into the pool",
+    "nostall (O_DIRECT, ring)": 'nostall, `read_mode="direct"`',
+    "nostall (pool, memory-cache hit)": "nostall, pool hit (fresh device allocation)",
+    "nostall (pool hit, device memory reused)": "nostall, pool hit, device memory reused",
+    "nostall load_model (pool hit)": "nostall `load_model`, pool hit (FLUX module built + adopted)",
+}
+_SCENARIO_HEADS = {
+    "page-cache": "page-cache hit",
+    "memory-cache": "memory-cache hit",
+    "cold": "cold",
+}
+
+
+def _load_cell(r: dict) -> str:
+    if r["seconds"] is None:
+        return r["note"][:60] or NA
+    build = r.get("phases", {}).get("build_s")
+    extra = f" (build + adopt {build:.3f} s)" if build else ""
+    bad = "" if r["equal"] else " (NOT EQUAL to safetensors)"
+    return f"{r['seconds']:.3f} s, {r['gbps']:.2f} GB/s{extra}{bad}"
+
+
+def _load_table(doc: Doc, name: str, scenarios: tuple[str, ...]) -> str:
+    recs = [r for r in doc.rec(name)["records"] if r["scenario"] in scenarios]
+    methods = list(dict.fromkeys(r["method"] for r in recs))
+    best = {
+        s: min((r["seconds"] for r in recs if r["scenario"] == s and r["seconds"]), default=None)
+        for s in scenarios
+    }
+    rows = []
+    for m in methods:
+        row = [_LOAD_LABELS.get(m, m)]
+        for s in scenarios:
+            r = next((x for x in recs if x["method"] == m and x["scenario"] == s), None)
+            cell = NA if r is None else _load_cell(r)
+            row.append(f"**{cell}**" if r and r["seconds"] == best[s] else cell)
+        rows.append(row)
+    return table(["method", *(_SCENARIO_HEADS[s] for s in scenarios)], rows)
+
+
+def load_warm(doc: Doc) -> str:
+    lim = doc.rec(LOAD)["limits"]
+    hp = (lim.get("pool_hugepage_bytes") or 0) / max(lim.get("pool_bytes") or 1, 1)
+    return (
+        f"{provenance(doc, LOAD)} Same run: link (4 GiB pinned H2D, cudaHostAlloc) "
+        f"**{lim['link_h2d_gbps']:.1f} GB/s**; H2D from a nostall pool block "
+        f"{lim['pool_h2d_gbps']:.1f} GB/s; pool of {lim['pool_bytes'] / 1e9:.1f} GB pinned in "
+        f"the background in {lim['pool_pin_seconds']:.2f} s, {hp:.0%} huge pages. "
+        "**Bold**: the fastest in its column.\n\n"
+        + _load_table(doc, LOAD, ("page-cache", "memory-cache"))
+    )
+
+
+def load_cold(doc: Doc) -> str:
+    r = doc.rec(LOAD_COLD)
+    lim, size = r["limits"], r["checkpoint"]["bytes"]
+    return (
+        f"{provenance(doc, LOAD_COLD)} Same run: disk, `dd bs=16M` after dropping the cache: "
+        f"buffered **{lim['disk_buffered_gbps']:.2f} GB/s** ({size / lim['disk_buffered_gbps'] / 1e9:.2f} s), "
+        f"`O_DIRECT` {lim['disk_direct_gbps']:.2f} GB/s; link {lim['link_h2d_gbps']:.1f} GB/s.\n\n"
+        + _load_table(doc, LOAD_COLD, ("cold",))
+    )
+
+
+def load_targets(doc: Doc) -> str:
+    heads = [
+        f"{what} run `{doc.rec(n)['commit']}`" for what, n in (("warm", LOAD), ("cold", LOAD_COLD))
+    ]
+    return targets_table(doc, [LOAD, LOAD_COLD], heads)
+
+
+_DECODE_MODES = {
+    "decode-only": "decode-only (no output)",
+    "sync": "sync (decode, blocking copy, write)",
+    "async": "**async pipeline**",
+}
+
+
+def decode(doc: Doc) -> str:
+    r = doc.rec(DECODE)
+    runs = "; ".join(
+        f"{when(x)} `{x['commit']}` ({', '.join(x['dtypes'])}: {', '.join(x['parts'])})"
+        for x in r["runs"]
+    )
+    rows = []
+    for dtype, res in r["results"].items():
+        for mode, label in _DECODE_MODES.items():
+            s, u = res[mode], res["utilisation"][mode]
+            close = secs(s.get("close_mean_s")) if "close_mean_s" in s else NA
+            rows.append(
+                [dtype, label, f"{s['min']:.3f}", f"{s['mean']:.3f}", f"{s['p99']:.3f}",
+                 f"{s['frames_per_s']:.1f}", f"{s['rtf']:.3f}", close,
+                 f"{u['steady_two_chunks']:.2%} / {u['whole_decode']:.2%}"]
+            )  # fmt: skip
+    head = ["dtype", "mode", "min s", "mean s", "p99 s", "frames/s", "RTF", "close",
+            "kernel util. steady / whole"]  # fmt: skip
+    return f"{provenance(doc, DECODE)} Runs merged: {runs}.\n\n{table(head, rows)}"
+
+
+def decode_b2b(doc: Doc) -> str:
+    rows = []
+    for dtype, res in doc.rec(DECODE)["results"].items():
+        b = res["back_to_back"]
+        rows.append(
+            [dtype, f"{b['decode_only_per_video_s']:.3f}",
+             f"{b['one_at_a_time_per_video_s']:.3f} ({b['one_at_a_time_vs_decode_only']:.3f}×)",
+             f"**{b['submit_per_video_s']:.3f} ({b['submit_vs_decode_only']:.3f}×)**"]
+        )  # fmt: skip
+    head = ["dtype", "decode-only", "`decode_to_file` one at a time",
+            "`submit_decode` (flush overlaps next decode)"]  # fmt: skip
+    return table(head, rows)
+
+
+def decode_targets(doc: Doc) -> str:
+    return targets_table(doc, [DECODE], ["measured"])
+
+
+def _frames_vs_eager(m: dict) -> str:
+    if "bit_identical" not in m:
+        return NA
+    return "bit-identical" if m["bit_identical"] else f"{m['mismatches'] / 1e6:.0f} M values differ"
+
+
+def _psnr(dtype: str, m: dict) -> str:
+    if "psnr_db_vs_fp32_eager" not in m:
+        return "(reference)" if dtype == "fp32" else NA
+    v = m["psnr_db_vs_fp32_eager"]
+    return "= reference" if v is None else f"{v:.3f} dB"
+
+
+def decode_modes(doc: Doc) -> str:
+    r = doc.rec(MODES)
+    rows = []
+    for dtype, res in r["results"].items():
+        modes = res["modes"]
+        eager = modes["eager"]["decode_only"]["mean"]
+        for mode, m in modes.items():
+            busy = m.get("utilisation_async_mp4", {}).get("steady_two_chunks")
+            rows.append(
+                [dtype, mode, secs(m["first_call_s"]), secs(m["decode_only"]["mean"]),
+                 f"{eager / m['decode_only']['mean']:.3f}×", secs(m["async_mp4"]["mean"]),
+                 f"{m['async_vs_decode_only']:.4f}×", secs(m["async_close_mean_s"]),
+                 f"{m['peak_gib']:.3f}", _frames_vs_eager(m), _psnr(dtype, m),
+                 NA if busy is None else f"{busy:.2%}"]
+            )  # fmt: skip
+        two = res.get("devices")
+        if two:
+            d, a = two["decode_only"]["mean"], two["async_mp4"]["mean"]
+            rows.append(
+                [dtype, f"exact, {len(two['devices'])} GPUs", secs(two["first_call_s"]), secs(d),
+                 f"{two['speedup']:.3f}× vs exact", secs(a), f"{a / d:.4f}×", NA, NA,
+                 _frames_vs_eager(two), NA, NA]
+            )  # fmt: skip
+    head = ["dtype", "mode", "first call", "decode-only (mean)", "speed-up", "async MP4",
+            "MP4 / decode-only", "encoder flush", "peak GiB", "frames vs eager", "PSNR vs fp32",
+            "steady kernel-busy"]  # fmt: skip
+    return f"{provenance(doc, MODES)}\n\n{table(head, rows)}"
+
+
+def decode_modes_targets(doc: Doc) -> str:
+    return targets_table(doc, [MODES], ["measured"])
+
+
+def peer_times(rows: list[dict], pipeline: str) -> list[float]:
+    return [x["switch_s"] for x in rows if x["pipeline"] == pipeline]
+
+
+def _switch_steps(r: dict, pipeline: str) -> list[dict]:
+    return [
+        s["switch"]
+        for p in r.get("nostall", {}).get("passes", [])
+        for s in p["steps"]
+        if s["pipeline"] == pipeline
+    ]
+
+
+def span(xs: list[float]) -> str:
+    if not xs:
+        return NA
+    lo, hi = min(xs), max(xs)
+    return f"{lo:.3f} s" if f"{lo:.3f}" == f"{hi:.3f}" else f"{lo:.3f}–{hi:.3f} s"
+
+
+def _whole(r: dict, key: str) -> str:
+    s = r.get("nostall", {}).get(key, {}).get("switch")
+    return NA if not s else f"**{s['total_s']:.3f} s ({s['gbps']:.1f} GB/s)**"
+
+
+def _peer_cell(part: str) -> Callable[[dict, str], str]:
+    def cell(r: dict, p: str) -> str:
+        xs = peer_times(r.get("peers", {}).get(part, []), p)
+        return " / ".join(f"{x:.3f}" for x in xs) + " s" if xs else NA
+
+    return cell
+
+
+def _offload(r: dict, p: str) -> str:
+    g = r.get("peers", {}).get("diffusers_group_offload_streams", {})
+    if g.get("pipeline") != p:
+        return NA
+    return f"setup {g['setup_s']:.2f} s, {r['config']['steps']} steps {g['denoise_s']:.3f} s"
+
+
+def _load_model(r: dict, p: str) -> str:
+    xs = peer_times(r.get("peers", {}).get("nostall_load_model", []), p)
+    if not xs:
+        return NA
+    return (
+        f"first {xs[0]:.3f} s (page cache), then " + " / ".join(f"{x:.3f}" for x in xs[1:]) + " s"
+    )
+
+
+def _in_sequence(r: dict, p: str) -> str:
+    # Host-tier switches only: the first pass's first switch to each reads the page cache,
+    # and a pipeline still on the device moves nothing.
+    return span(
+        [
+            s["total_s"]
+            for s in _switch_steps(r, p)
+            if s["moved_bytes"] and all(c["tier"] != "disk" for c in s["components"])
+        ]
+    )
+
+
+def _first(r: dict, p: str) -> str:
+    steps = _switch_steps(r, p)
+    return secs(steps[0]["total_s"]) if steps else NA
+
+
+def _new_process(r: dict, p: str) -> str:
+    s = r.get("new-process", {}).get("switch")
+    return f"**{s['total_s']:.3f} s**" if s and s["pipeline"] == p else NA
+
+
+def _cold(r: dict, p: str) -> str:
+    c = r.get("cold", {})
+    s = c.get("switch")
+    if not s or s["pipeline"] != p:
+        return NA
+    return (
+        f"{s['total_s']:.3f} s = {c['gbps']:.2f} GB/s; the disk reads {c['disk']['gbps']:.2f} GB/s"
+    )
+
+
+def _shared(r: dict, p: str) -> str:
+    s = r.get("nostall", {}).get("shared_flux_b_after_flux", {}).get("switch")
+    return secs(s["total_s"]) if s and p == "flux" else NA
+
+
+_SWITCH_ROWS: list[tuple[str, Callable[[dict, str], str]]] = [
+    ('diffusers `from_pretrained` + `.to("cuda")` per switch (page cache)',
+     _peer_cell("diffusers_from_pretrained_to")),
+    ('both pipelines resident in CPU RAM, `.to("cuda")` in, `.to("cpu")` out',
+     _peer_cell("cpu_resident_to")),
+    ("diffusers group offloading, `leaf_level`, `use_stream=True`", _offload),
+    ("nostall `load_model` per component + one `PinnedPool`", _load_model),
+    ("**nostall `ModelCache`, whole pipeline from the host tier**",
+     lambda r, p: _whole(r, f"{p}_whole_from_host")),
+    ("nostall `ModelCache`, in the flux → sdxl → flux sequence (host tier)", _in_sequence),
+    ("nostall `ModelCache`, first switch from the page cache (in the bench process)", _first),
+    ("**nostall `ModelCache`, new process, page cache**", _new_process),
+    ("nostall `ModelCache`, cold (page cache dropped), new process", _cold),
+    ("nostall `ModelCache`, FLUX-b after FLUX", _shared),
+]  # fmt: skip
+
+
+def switch_runs(doc: Doc) -> str:
+    lines = []
+    for label, name in (("Run A", SWITCH_A), ("Run B", SWITCH_B)):
+        cfg = doc.rec(name)["config"]
+        lines.append(
+            f"- **{label}**: `--size {cfg['size']}`, parts {', '.join(cfg['parts'])}; device tier "
+            f"{cfg['gpu_budget'] / 1e9:.0f} GB, host tier {cfg['host_budget'] / 1e9:.0f} GB. "
+            + provenance(doc, name)
+        )
+    return "\n".join(lines)
+
+
+def switch(doc: Doc) -> str:
+    cols = [(SWITCH_A, "flux", "FLUX, run A"), (SWITCH_A, "sdxl", "SDXL, run A"),
+            (SWITCH_B, "flux", "FLUX, run B"), (SWITCH_B, "sdxl", "SDXL, run B")]  # fmt: skip
+    rows = [[label, *(fn(doc.rec(n), p) for n, p, _ in cols)] for label, fn in _SWITCH_ROWS]
+    rows = [r for r in rows if any(c != NA for c in r[1:])]
+    return table(["method (same run)", *(h for _, _, h in cols)], rows)
+
+
+def switch_targets(doc: Doc) -> str:
+    heads = [f"run {x} `{doc.rec(n)['commit']}`" for x, n in (("A", SWITCH_A), ("B", SWITCH_B))]
+    return targets_table(doc, [SWITCH_A, SWITCH_B], heads)
+
+
+def switch_identity(doc: Doc) -> str:
+    r = doc.rec(SWITCH)
+    ident, rows = r.get("identity", {}), []
+    for kind, label in (("cold", "cold (page cache dropped)"), ("page_cache", "page cache")):
+        runs = ident.get(kind, [])
+        hashing = ", ".join(f"{x['total_s']:.3f}" for x in runs if x["hashing"])
+        known = ", ".join(f"{x['total_s']:.3f}" for x in runs if not x["hashing"])
+        if runs:
+            rows.append([f"new process, {label}: hashing every byte / digests known",
+                         f"{hashing} s / {known} s"])  # fmt: skip
+    s = r.get("new-process", {}).get("switch")
+    if s:
+        rows.append(["new process, page cache, digest index filled (nothing hashed)",
+                     f"{s['total_s']:.3f} s ({s['gbps']:.1f} GB/s)"])  # fmt: skip
+    for part in ("memory-hit", "diffusers"):
+        if "error" in r.get(part, {}):
+            rows.append([f"part `{part}`", f"failed: {r[part]['error'][:90]}…"])
+        elif part not in r:
+            rows.append([f"part `{part}`", "not in the record"])
+    return f"{provenance(doc, SWITCH)}\n\n" + table(["figure", f"`{r['commit']}`"], rows)
+
+
+def switch_identity_targets(doc: Doc) -> str:
+    return targets_table(doc, [SWITCH])
+
+
+def fp8(doc: Doc) -> str:
+    r = doc.rec(FP8)
+    res = r["results"]
+    b, loads, fwd, comp, e2e = (res[k] for k in ("bytes", "loads", "forward", "compile", "e2e"))
+    ao = fwd["torchao"]
+    rows = [["transformer weights", f"{b['bf16'] / 1e9:.2f} GB", f"{b['fp8'] / 1e9:.2f} GB",
+             f"{b['ratio']:.3f}", ""]]  # fmt: skip
+    for key, label in (
+        ("page_cache_load_s", "page-cache load, `load_model`"),
+        ("memory_hit_s", "memory hit, `load_model` from a pool"),
+        ("switch_hit_s", "memory-hit switch (into resident memory)"),
+    ):
+        x = loads[key]
+        rows.append([label, secs(x["bf16"]), secs(x["fp8"]), f"{x['ratio']:.3f}", ""])
+    rows += [
+        ["forward, eager", f"{fwd['bf16_eager_s'] * 1e3:.1f} ms", f"{fwd['fp8_eager_s'] * 1e3:.1f} ms",
+         f"{fwd['fp8_vs_bf16_eager']:.3f}",
+         f"{ao['eager_s'] * 1e3:.1f} ms ({ao['eager_s'] / fwd['bf16_eager_s']:.2f}x bf16)"],
+        ["output SQNR vs bf16", "", f"{fwd['sqnr_db']:.2f} dB", "",
+         f"{ao['sqnr_db']:.2f} dB (gap {fwd['sqnr_gap_to_torchao_db']:.3f} dB)"],
+        ["forward, `compile_repeated_blocks` (fresh process each)",
+         f"{comp['bf16_compiled_s'] * 1e3:.1f} ms (compile {comp['bf16_compile_s']:.1f} s)",
+         f"{comp['fp8_compiled_s'] * 1e3:.1f} ms (compile {comp['fp8_compile_s']:.1f} s)",
+         f"{comp['fp8_compiled_s'] / comp['bf16_compiled_s']:.3f} ({comp['fp8_compiled_speedup']:.3f}x)", ""],
+        ["model cache's FP8 transformer vs `load_model`'s, same inputs", "",
+         "bit-equal" if res["cache"]["equal"] else "differs",
+         f"max diff {res['cache']['max_abs_diff']}", ""],
+        [f"end to end through the model cache, {e2e['steps']} steps at {e2e['resolution']}² "
+         f"(host-tier switch + encode + denoise + VAE), best of {len(e2e['bf16']['runs'])}",
+         *(f"{e2e[k]['total_s']:.3f} s (switches {span([x['switch_s'] for x in e2e[k]['runs']])})"
+           for k in ("bf16", "fp8")),
+         f"{e2e['fp8']['total_s'] / e2e['bf16']['total_s']:.3f} ({e2e['fp8_speedup']:.3f}x)", ""],
+    ]  # fmt: skip
+    parts = "; ".join(
+        f"{doc.link(m['file'])} at `{m['commit']}` ({when(m)}: {', '.join(m['parts'])})"
+        for m in r.get("merged_from", [])
+    )
+    head = ["figure", "bf16", "nostall FP8", "FP8 / bf16", "torchao per-row (peer)"]
+    return f"{provenance(doc, FP8)} Merged from {parts}.\n\n{table(head, rows)}"
+
+
+def fp8_targets(doc: Doc) -> str:
+    return targets_table(doc, [FP8], ["measured"])
+
+
+def gpu_checks(doc: Doc) -> str:
+    older = sorted(
+        (n for n in doc.records if n.startswith("history/gpu-check-")),
+        key=lambda n: doc.records[n]["date"],
+        reverse=True,
+    )
+    names = [GPU_CHECK, *older]
+    rows = []
+    for n in names:
+        r = doc.rec(n)
+        t, load, dec = (
+            r["cuda_tests"],
+            r.get("smoke", {}).get("load", {}),
+            r.get("smoke", {}).get("decode", {}),
+        )
+        two = load.get("two_gpus")
+        rows.append(
+            [when(r), f"`{r['commit']}`", f"{r['hardware']['count']}× {r['hardware']['name']}",
+             f"{t['passed']} / {t['failed']} / {t['skipped']}", num(r.get("demo_rc")),
+             f"{load.get('safetensors_page_cache_s', 0):.3f} / {load.get('nostall_ring_page_cache_s', 0):.3f} / "
+             f"{load.get('nostall_pool_hit_s', 0):.3f} s ({load.get('nostall_pool_hit_gbps', 0):.1f} GB/s)",
+             f"{two['both_gpus_s']:.3f} s ({two['both_gpus_total_gbps']:.1f} GB/s)" if two else NA,
+             f"{dec['decode_only_s']:.3f} / {dec['async_mp4_s']:.3f} s" if "decode_only_s" in dec else NA,
+             "yes" if r["ok"] else "**no**", doc.link(n)]
+        )  # fmt: skip
+    head = ["date", "commit", "GPUs", "cuda tests passed / failed / skipped", "demo exit",
+            "load: safetensors / ring / pool hit", "pool hit to both GPUs at once",
+            "Wan decode-only / async MP4", "OK", "record"]  # fmt: skip
+    return table(head, rows)
+
+
+BLOCKS: dict[str, Callable[[Doc], str]] = {
+    "load-warm": load_warm,
+    "load-cold": load_cold,
+    "load-targets": load_targets,
+    "decode": decode,
+    "decode-b2b": decode_b2b,
+    "decode-targets": decode_targets,
+    "switch-runs": switch_runs,
+    "switch": switch,
+    "switch-targets": switch_targets,
+    "switch-identity": switch_identity,
+    "switch-identity-targets": switch_identity_targets,
+    "gpu-checks": gpu_checks,
+    "decode-modes": decode_modes,
+    "decode-modes-targets": decode_modes_targets,
+    "fp8": fp8,
+    "fp8-targets": fp8_targets,
+}
