@@ -26,6 +26,7 @@ import torch
 
 from nostall.bench.record import header
 from nostall.bench.timeline import load_trace, plot_timelines
+from nostall.errors import ArgumentError
 from nostall.video import (
     AsyncFramePipeline,
     NullSink,
@@ -104,14 +105,14 @@ def run_decode_bench(
     """
     unknown = sorted(set(parts) - set(PARTS))
     if unknown or not parts:
-        raise ValueError(f"parts must be some of {PARTS}, got {tuple(parts)!r}")
+        raise ArgumentError(f"parts must be some of {PARTS}, got {tuple(parts)!r}")
     bad = sorted(set(modes) - set(DECODER_MODES))
     if bad:
-        raise ValueError(f"decoder modes must be some of {DECODER_MODES}, got {tuple(modes)!r}")
+        raise ArgumentError(f"decoder modes must be some of {DECODER_MODES}, got {tuple(modes)!r}")
     modes = ("eager", *(m for m in modes if m != "eager"))
     dev = torch.device(device)
     if set(parts) == {"memory"} and dev.type != "cuda":
-        raise ValueError(f"peak GPU memory needs a CUDA device, got device={device!r}")
+        raise ArgumentError(f"peak GPU memory needs a CUDA device, got device={device!r}")
     h, w = SIZES[size]
     frames = frame_count(latent_frames)
     out_dir = out_dir or tempfile.mkdtemp(prefix="nostall-decode-")
@@ -604,7 +605,7 @@ def merge_reports(reports: list[dict]) -> dict:
     commit and sections under ``runs``. Targets are evaluated again on the merged results.
     """
     if not reports:
-        raise ValueError("merge_reports needs at least one report")
+        raise ArgumentError("merge_reports needs at least one report")
     base = reports[0]
     keys = ("latents", "frames", "size", "mp4")
     merged = {k: v for k, v in base.items() if k not in ("results", "targets")}
@@ -612,7 +613,7 @@ def merge_reports(reports: list[dict]) -> dict:
     merged["runs"] = []
     for r in reports:
         if any(r["config"].get(k) != base["config"].get(k) for k in keys):
-            raise ValueError(
+            raise ArgumentError(
                 f"cannot merge decode reports of different configurations: "
                 f"{ {k: r['config'].get(k) for k in keys} } vs "
                 f"{ {k: base['config'].get(k) for k in keys} }"

@@ -28,6 +28,7 @@ import torch
 
 from nostall.bench.peers import PEERS, Method, missing_requirement
 from nostall.bench.record import check_new_output, header, write_report
+from nostall.errors import ArgumentError
 from nostall.memory.pool import PinnedPool
 from nostall.synthetic import make_checkpoint
 from nostall.transfer.loader import Loader, resolve_device
@@ -197,7 +198,7 @@ def run_load_bench(
     dev = resolve_device(device)
     for s in scenarios:
         if s not in SCENARIOS:
-            raise ValueError(f"unknown scenario {s!r}; choose from {SCENARIOS}")
+            raise ArgumentError(f"unknown scenario {s!r}; choose from {SCENARIOS}")
     # Worker start-up first: the pool and the staging ring are pinned before anything
     # else fills host memory, as a service would do at boot.
     loader = Loader()

@@ -18,6 +18,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from nostall.errors import ArgumentError
+
 __all__ = ["Trace", "load_trace", "union_busy"]
 
 _CHUNK = re.compile(r"^nostall\.chunk\.(\d+)$")
@@ -51,7 +53,7 @@ class Trace:
         anchored at the CPU start of ``nostall.chunk.0``, which opens right after it.
         """
         if 0 not in self.cpu_chunks:
-            raise ValueError("the trace has no nostall.chunk.0 range to anchor the log to")
+            raise ArgumentError("the trace has no nostall.chunk.0 range to anchor the log to")
         t0 = self.cpu_chunks[0][0]
         self.writes = sorted(self.writes + [(t0 + a * 1e6, t0 + b * 1e6) for _, a, b in chunk_log])
 

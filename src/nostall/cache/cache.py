@@ -49,7 +49,7 @@ from nostall.cache.moves import Move, issue
 from nostall.cache.pipelines import Pipelines
 from nostall.cache.report import CacheStats, ComponentSwitch, SwitchReport
 from nostall.cache.store import ComponentEntry, PipelineEntry, Store
-from nostall.errors import ArgumentError, BudgetExceeded, ClosedError
+from nostall.errors import ArgumentError, BudgetExceeded, ClosedError, InternalError
 from nostall.memory.events import event_done
 from nostall.memory.host import memory_limit
 from nostall.transfer.loader import Loader, resolve_device
@@ -464,7 +464,11 @@ class ModelCache:
                 for d in room.fit:
                     self._evict_slot(self._tier.slots[d], evicted)
                 placed = self._tier.place(digest, need, sticky=sticky)
-                assert placed is not None, "the placement policy promised a free run"
+                if placed is None:
+                    raise InternalError(
+                        f"the placement policy promised {need} free bytes for {digest[:12]}, "
+                        "and the device tier has no such run"
+                    )
                 for d in room.trim:  # down to the watermark: the next switch finds room
                     self._evict_slot(self._tier.slots[d], evicted)
                 return (*placed, waited)

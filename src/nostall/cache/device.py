@@ -21,7 +21,7 @@ import torch
 
 from nostall.cache.placement import Extent
 from nostall.cache.report import human_bytes
-from nostall.errors import BudgetExceeded
+from nostall.errors import BudgetExceeded, InternalError
 from nostall.memory.events import event_done
 from nostall.memory.host import PAGE, HostArena, round_up
 from nostall.memory.ranges import Ranges
@@ -164,7 +164,8 @@ class DeviceTier:
 
     def evict(self, slot: Slot) -> None:
         """Free the slot; kernels still reading it are waited for by the next copy there."""
-        assert slot.uses == 0, slot
+        if slot.uses:  # a held slot is never a victim (placement skips it)
+            raise InternalError(f"slot {slot.digest[:12]} is evicted while {slot.uses} hold it")
         del self.slots[slot.digest]
         self._ranges.give_back(slot.offset, slot.size)
         if slot.events:

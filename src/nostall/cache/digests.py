@@ -25,6 +25,7 @@ import threading
 import time
 
 from nostall.checkpoint.digest import SCHEME, FileIdentity
+from nostall.errors import InternalError
 
 __all__ = ["DigestIndex", "default_cache_dir"]
 
@@ -117,7 +118,8 @@ class DigestIndex:
     # ---- the file --------------------------------------------------------------------
 
     def _open(self) -> None:
-        assert self.path is not None
+        if self.path is None:  # an in-memory index has no file to open
+            raise InternalError("the digest index has no file to open")
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             self._db = self._connect()

@@ -273,6 +273,7 @@ def admit(
         # long as it fits; predict that one, where a later newcomer is reserved around.
         left = [(x.offset, x.size) for x in residents if x not in needed] + list(reserved)
         offset = best_fit(free_runs(capacity, left), size)
-        assert offset is not None  # the run found above is free now
+        if offset is None:  # the run found above is free now; RuntimeError: no imports here
+            raise RuntimeError(f"placement lost the free run for {size} bytes")
         return Admission(offset, tuple(x.key for x in needed))
     return None

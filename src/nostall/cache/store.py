@@ -54,7 +54,14 @@ from nostall.cache.digests import DigestIndex, default_cache_dir
 from nostall.checkpoint import Checkpoint, resolve
 from nostall.checkpoint.digest import FileIdentity, hash_file_data
 from nostall.checkpoint.files import open_regular, parse_json
-from nostall.errors import ArgumentError, CheckpointError, FileChanged, ReadError, UnknownModel
+from nostall.errors import (
+    ArgumentError,
+    CheckpointError,
+    FileChanged,
+    InternalError,
+    ReadError,
+    UnknownModel,
+)
 
 __all__ = ["ComponentEntry", "PipelineEntry", "Store"]
 
@@ -276,7 +283,10 @@ class Store:
         bytes were already known under another)."""
         ckpt = c.checkpoint
         if ckpt is None or len(digests) != len(ckpt.files):
-            raise ValueError(f"{len(digests)} digests for component {c.role!r}")
+            raise InternalError(
+                f"{len(digests)} digests for component {c.role!r} of "
+                f"{0 if ckpt is None else len(ckpt.files)} files"
+            )
         for f, d in zip(ckpt.files, digests, strict=True):
             if f.identity is not None:
                 self.index.put(f.identity, f.path, d)

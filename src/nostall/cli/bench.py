@@ -30,6 +30,16 @@ def _log(line: str) -> None:
     console.print(line, highlight=False)
 
 
+def _finish(report: dict, tables: list, out: str, *, overwrite: bool) -> None:
+    """Write the report (never over another unless ``--overwrite``), then show its tables."""
+    from nostall.bench.record import write_report
+
+    with usage_errors("--out"):
+        write_report(report, out, overwrite=overwrite)
+    _show(tables)
+    console.print(f"report written to {out}")
+
+
 def _show(renderables: list) -> None:
     for r in renderables:
         console.print(r)
@@ -92,10 +102,7 @@ def bench_load(
         log=_log,
         drop_caches=drop_caches,
     )
-    with usage_errors("--out"):
-        bench.write_report(report, out, overwrite=overwrite)
-    _show(bench.tables(report))
-    console.print(f"report written to {out}")
+    _finish(report, bench.tables(report), out, overwrite=overwrite)
 
 
 @bench_app.command("decode")
@@ -145,7 +152,6 @@ def bench_decode(
     import tempfile
 
     from nostall.bench import decode as bench
-    from nostall.bench.record import write_report
     from nostall.errors import SinkError
     from nostall.transfer.loader import resolve_device
     from nostall.video import check_sink_path
@@ -193,10 +199,7 @@ def bench_decode(
         devices=split,
         log=_log,
     )
-    with usage_errors("--out"):
-        write_report(report, out, overwrite=overwrite)
-    _show(bench.tables(report))
-    console.print(f"report written to {out}")
+    _finish(report, bench.tables(report), out, overwrite=overwrite)
 
 
 @bench_app.command("serve")
@@ -226,7 +229,6 @@ def bench_serve(
 ) -> None:
     """The worker, the Ray Serve fleet and the embedding service under concurrent load."""
     from nostall.bench import serve as bench
-    from nostall.bench.record import write_report
 
     parts = check_choices(part or bench.PARTS, bench.PARTS, "--part")
     check_output(out, hint="--out", overwrite=overwrite)
@@ -245,10 +247,7 @@ def bench_serve(
             work=work,
             log=_log,
         )
-    with usage_errors("--out"):
-        write_report(report, out, overwrite=overwrite)
-    _show(bench.tables(report))
-    console.print(f"report written to {out}")
+    _finish(report, bench.tables(report), out, overwrite=overwrite)
 
 
 @bench_app.command("fp8")
@@ -276,7 +275,6 @@ def bench_fp8(
     forward (eager and compiled), the model cache against load_model, and 28 steps end to
     end through the model cache."""
     from nostall.bench import fp8 as bench
-    from nostall.bench.record import write_report
 
     check_choices([size], bench.SIZES, "--size")
     parts = check_choices(part or bench.PARTS, bench.PARTS, "--part")
@@ -291,10 +289,7 @@ def bench_fp8(
             compile_budget_s=compile_budget,
             log=_log,
         )
-    with usage_errors("--out"):
-        write_report(report, out, overwrite=overwrite)
-    _show(bench.tables(report))
-    console.print(f"report written to {out}")
+    _finish(report, bench.tables(report), out, overwrite=overwrite)
 
 
 @bench_app.command("switch")
