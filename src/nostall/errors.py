@@ -25,6 +25,7 @@ cases apart by type (never by message text)::
     │   ├── QueueFull            the worker's queue is full (HTTP 429)
     │   ├── ShuttingDown         the worker is shutting down (HTTP 503)
     │   ├── Cancelled            the client went away before its job started
+    │   ├── DeviceBusy           the device ran out of memory for a job twice (HTTP 503)
     │   └── EmbeddingUnavailable the embedding service did not answer
     └── InternalError            an invariant inside nostall broke: a bug (also a ``RuntimeError``)
 
@@ -51,6 +52,7 @@ __all__ = [
     "CheckpointError",
     "ClosedError",
     "DegradedError",
+    "DeviceBusy",
     "DeviceError",
     "EmbeddingUnavailable",
     "FileChanged",
@@ -73,6 +75,19 @@ __all__ = [
 class NostallError(Exception):
     """Root of every exception nostall raises on purpose."""
 
+    def __reduce__(self):
+        # Ray and multiprocessing pickle errors between processes, and the default
+        # reduction calls cls(*args), which loses (or fails on) keyword-only attributes
+        # such as QueueFull.retry_after or UnknownModel.available.
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls: type[NostallError], args: tuple, state: dict) -> NostallError:
+    err = cls.__new__(cls, *args)
+    err.args = args
+    err.__dict__.update(state)
+    return err
+
 
 class ArgumentError(NostallError, ValueError):
     """An argument or option has a value nostall cannot use (``threads=0``, an unknown
@@ -80,7 +95,17 @@ class ArgumentError(NostallError, ValueError):
 
     Also a ``ValueError``, so code written against the standard convention still
     catches it.
+
+    Attributes:
+        field: the argument or request field at fault, when one is named (a service
+            answers it as the field of its 422).
+        allowed: what that field may be (a range, a list of choices, a rule), when known.
     """
+
+    def __init__(self, message: str, *, field: str | None = None, allowed: object = None):
+        self.field = field
+        self.allowed = allowed
+        super().__init__(message)
 
 
 class CheckpointError(NostallError):
@@ -254,7 +279,15 @@ class ServeError(NostallError):
 
 
 class QueueFull(ServeError):
-    """The worker's queue is full; retry later (HTTP 429)."""
+    """The worker's queue is full; retry later (HTTP 429).
+
+    Attributes:
+        retry_after: estimated seconds until the queue has room (``None``: no estimate).
+    """
+
+    def __init__(self, message: str, *, retry_after: float | None = None):
+        self.retry_after = retry_after
+        super().__init__(message)
 
 
 class ShuttingDown(ServeError):
@@ -263,6 +296,20 @@ class ShuttingDown(ServeError):
 
 class Cancelled(ServeError):
     """The client went away before the job started."""
+
+
+class DeviceBusy(ServeError):
+    """The device ran out of memory for a job, and again after the worker freed what it
+    could and retried once: the job failed, the worker carries on (HTTP 503 with
+    ``Retry-After``).
+
+    Attributes:
+        retry_after: seconds after which a retry may find the memory free.
+    """
+
+    def __init__(self, message: str, *, retry_after: float = 1.0):
+        self.retry_after = retry_after
+        super().__init__(message)
 
 
 class EmbeddingUnavailable(ServeError):
