@@ -279,6 +279,21 @@ def test_prefetch_moves_the_next_pipeline_and_protects_it(store, cache):
         cache.prefetch("nope")
 
 
+def test_resident_says_whether_a_switch_would_move_nothing(store):
+    with nostall.ModelCache(store, device="cpu", gpu_budget=2_000_000, host_budget=64 * MB) as c:
+        assert not c.resident("flux")
+        c.pipeline("flux")
+        assert c.resident("flux") and not c.resident("sdxl")
+        assert not c.resident("wan") and not c.resident("wan", without=["text_encoder"])
+        with c.use("wan", without=["text_encoder", "transformer"]):
+            assert c.resident("wan", without=["text_encoder", "transformer"])
+            assert not c.resident("wan")
+        c.pipeline("sdxl")  # 2 MB hold sdxl (1.6 MB) alone: flux's transformer left
+        assert c.resident("sdxl") and not c.resident("flux")
+        with pytest.raises(UnknownModel):
+            c.resident("nope")
+
+
 def test_prefetch_without_room_fails_its_future_not_the_running_pipeline(store):
     with (
         nostall.ModelCache(store, device="cpu", gpu_budget=2_000_000, host_budget=64 * MB) as c,

@@ -258,6 +258,15 @@ class ModelCache:
                 components=comps,
             )
 
+    def resident(self, name: str, *, without: Iterable[str] = ()) -> bool:
+        """Whether every weights component of ``name`` (less the roles in ``without``,
+        as in :meth:`use`) is on the device now: a switch to it would move nothing. A
+        scheduler runs such requests first; the answer may change with the next switch."""
+        comps = self.store.entry(name).distinct_weights(_roles(without))
+        with self._lock:
+            slots = self._tier.slots
+            return all((s := slots.get(c.digest)) is not None and s.ready for c in comps)
+
     def evict(self, tier: str = "gpu") -> int:
         """Drop every idle component from ``"gpu"``, ``"host"`` or ``"all"`` tiers; returns
         the bytes freed (benchmarks use it to start from a known state)."""

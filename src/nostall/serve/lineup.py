@@ -1,0 +1,180 @@
+"""The worker's queue order: its waiting jobs as :mod:`nostall.serve.schedule` records,
+the model cache's residency, batches of like image jobs as one pipeline call, and the
+wait a 429's ``Retry-After`` is estimated from.
+
+A :class:`Lineup` keeps no lock: the worker calls it under its queue's lock, except
+:meth:`Lineup.resident`, which asks the model cache and is called outside that lock
+(the cache's lock may be held for seconds while it allocates its device tier).
+
+Batching (``Policy.batch`` > 1): image jobs of one pipeline with equal size, steps,
+guidance, sequence length and negative-prompt use share one pipeline call
+(:mod:`nostall.serve.calls`, which says why their images can differ in the last bits
+from the same requests run alone); a decode always runs alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Hashable
+from typing import Any
+
+from nostall.errors import ArgumentError, Cancelled, NostallError
+from nostall.serve.schedule import Policy, Request, Scheduler
+
+__all__ = ["Lineup"]
+
+log = logging.getLogger(__name__)
+
+# priors until the first measurements: seconds per megapixel-step of an image (or per
+# million latent values of a video) and of a switch; measured averages replace them
+RUN_S, SWITCH_S = 0.05, 1.0
+
+
+class Lineup:
+    """The queue policy of one worker over its tickets (objects with ``job``,
+    ``arrived``, ``future`` and ``cancelled``, as the worker makes them).
+
+    ``without(job)``: the roles a job's switch leaves out (what residency is judged
+    on); ``cache``: the worker's :class:`~nostall.ModelCache`."""
+
+    def __init__(self, policy: Policy, cache: Any, without: Any):
+        self.policy = policy
+        self.schedule = Scheduler(policy, run_s=RUN_S, switch_s=SWITCH_S)
+        self._cache = cache
+        self._without = without
+        self._pipelines: dict[str, tuple[str, tuple[str, ...]]] = {}  # key -> (model, roles)
+        self._alone: set[tuple[str, Hashable]] = set()  # (key, shape) whose batch failed
+        self._group: tuple[str, Hashable] | None = None  # the last batch's
+        self._predicted: str | None = None  # prefetched since the last batch began
+        self._resident: set[str] = set()  # as last seen
+        self._running: tuple[str, float, float] | None = None  # key, since, estimate
+
+    # ---- under the worker's lock ---------------------------------------------------
+
+    def add(self, ticket: Any) -> None:
+        """Queue ``ticket`` behind the others (it is in the worker's deque already)."""
+        job = ticket.job
+        try:
+            roles = tuple(self._without(job))
+        except ArgumentError:  # the job fails when it runs, with this error
+            roles = ()
+        key, shape, work = _terms(job, self.policy.batch > 1)
+        if (key, shape) in self._alone:
+            shape = object()
+        self._pipelines[key] = (job.model, roles)
+        self.schedule.add(Request(ticket, key, shape, ticket.arrived, work))
+
+    @property
+    def running(self) -> str | None:
+        """The pipeline key of the batch running now (``None``: none runs)."""
+        return self._running[0] if self._running is not None else None
+
+    def wanted(self) -> dict[str, tuple[str, tuple[str, ...]]]:
+        """The queued jobs' pipelines: key → (model, roles left out)."""
+        return {k: self._pipelines[k] for k in {r.pipeline for r in self.schedule.requests()}}
+
+    def take(self, queue: deque, resident: set[str]) -> list[Any]:
+        """The next batch, out of ``queue`` (the worker's deque of tickets) too. Tickets
+        that left the deque (a shutdown failed them) are forgotten; those whose client
+        left are failed with :class:`~nostall.Cancelled` and dropped."""
+        present = set(queue)
+        for r in self.schedule.requests():
+            t = r.id
+            if t not in present or t.cancelled.is_set():
+                self.schedule.remove(t)
+                if t in present:
+                    queue.remove(t)
+                    if t.future.set_running_or_notify_cancel():
+                        t.future.set_exception(Cancelled("the client went away"))
+        self._resident = set(resident)
+        chosen = self.schedule.next(resident)
+        if not chosen:
+            return []
+        batch = [r.id for r in chosen]
+        taken = set(batch)
+        kept = [t for t in queue if t not in taken]
+        queue.clear()
+        queue.extend(kept)
+        key = chosen[0].pipeline
+        estimate = sum(self.schedule.run_estimate(key, r.work) for r in chosen)
+        if key not in resident:
+            estimate += self.schedule.switch_estimate(key)
+        self._group = (key, chosen[0].shape)
+        self._predicted = None
+        self._running = (key, time.perf_counter(), estimate)
+        return batch
+
+    def predict(self, resident: set[str]) -> tuple[str, tuple[str, ...]] | None:
+        """The pipeline (model, roles left out) the next batch would switch to, to be
+        prefetched; ``None`` when it would run on one of ``resident``, or was named
+        already since the running batch began."""
+        batch = self.schedule.peek(resident)
+        if not batch or batch[0].pipeline in resident or batch[0].pipeline == self._predicted:
+            return None
+        self._predicted = batch[0].pipeline
+        return self._pipelines[batch[0].pipeline]
+
+    def done(self, seconds: float, results: list[Any]) -> None:
+        """The batch :meth:`take` returned last has run for ``seconds``; ``results``: the
+        :class:`~nostall.serve.worker.Result` of each job that succeeded."""
+        self._running = None
+        if not results:
+            self.schedule.done(seconds)
+            return
+        switch = results[0].phases.get("switch", 0.0)
+        self.schedule.done(seconds, run_s=max(0.0, seconds - switch), switch_s=switch)
+
+    def alone(self) -> None:
+        """The last batch's pipeline and shape run unbatched from now on (that batch ran
+        out of device memory)."""
+        if self._group is not None:
+            self._alone.add(self._group)
+
+    def retry_after(self) -> float:
+        """Estimated seconds until half of the waiting jobs have started: a client told
+        to come back then finds room, and the queue has not run dry meanwhile."""
+        resident = set(self._resident)
+        busy = 0.0
+        if self._running is not None:
+            key, since, estimate = self._running
+            resident.add(key)
+            busy = max(0.0, estimate - (time.perf_counter() - since))
+        n = len(self.schedule)
+        return self.schedule.estimated_wait(n // 2, resident, busy_s=busy)
+
+    # ---- outside the worker's lock -------------------------------------------------
+
+    def resident(self, wanted: dict[str, tuple[str, tuple[str, ...]]]) -> set[str]:
+        """Which of ``wanted`` (:meth:`wanted`) the cache holds on the device now."""
+        out = set()
+        for key, (model, roles) in wanted.items():
+            try:
+                if self._cache.resident(model, without=roles):
+                    out.add(key)
+            except NostallError as e:  # a broken pipeline folder: never resident
+                log.debug("residency of %s unknown: %s", model, e)
+        return out
+
+
+def _terms(job: Any, batching: bool) -> tuple[str, Hashable, float]:
+    """``(key, shape, work)`` of a job: the pipeline as a switch for it moves it, what
+    must be equal to share a call, and its cost (megapixel-steps; a video: millions of
+    latent values)."""
+    latents = getattr(job, "latents", None)
+    if latents is not None:  # a decode: the VAE alone, never batched
+        return f"{job.model} (vae)", object(), latents.numel() / 1e6
+    key = job.model
+    work = job.width * job.height * job.steps / 1e6
+    if not batching:
+        return key, object(), work
+    shape = (
+        job.width,
+        job.height,
+        job.steps,
+        job.guidance,
+        job.max_sequence_length,
+        job.negative_prompt is None,
+    )
+    return key, shape, work

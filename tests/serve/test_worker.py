@@ -1,0 +1,296 @@
+"""The worker's queue on the CPU with tiny random pipelines: resident pipelines first within
+the fairness bound, like requests batched into one pipeline call, and a 429's wait."""
+
+from __future__ import annotations
+
+import io
+import math
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from nostall.errors import Cancelled, QueueFull
+from nostall.serve.schedule import Policy
+
+MB = 1 << 20
+
+
+def _wait_for(condition, what: str, timeout: float = 60.0) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout} s for {what}"
+        time.sleep(0.01)
+
+
+def _body(model="flux", **kw):
+    body = {"model": model, "prompt": "a cat", "size": "32x32", "steps": 2, "seed": 0}
+    if model == "flux":
+        body["max_sequence_length"] = 16
+    body.update(kw)
+    return body
+
+
+@pytest.fixture
+def worker(store):
+    """``worker(**kw)``: a started CPU worker over the tiny store; shut down after the test."""
+    from nostall.serve.worker import Worker
+
+    made = []
+
+    def make(**kw):
+        kw = {"device": "cpu", "gpu_budget": 64 * MB, "host_budget": 64 * MB,
+              "prepare": False, **kw}  # fmt: skip
+        w = Worker(store, **kw).start()
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.shutdown()
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """The first job of a test blocks in ``_image`` until ``gate.set()``; every model a
+    single job ran for is appended to ``gate.ran``, every batch's size to ``gate.calls``."""
+    from nostall.serve import worker as worker_mod
+
+    event = threading.Event()
+    event.ran, event.calls, event.started = [], [], threading.Event()
+    image, generate = worker_mod.Worker._image, worker_mod.Worker._generate
+
+    def gated(self, job, start):
+        event.ran.append(job.model)
+        if not event.started.is_set():
+            event.started.set()
+            assert event.wait(60)
+        return image(self, job, start)
+
+    def counted(self, pipe, job, embeds):
+        event.calls.append(len(job) if isinstance(job, list) else 1)
+        return generate(self, pipe, job, embeds)
+
+    monkeypatch.setattr(worker_mod.Worker, "_image", gated)
+    monkeypatch.setattr(worker_mod.Worker, "_generate", counted)
+    return event
+
+
+def _submit(w, **body):
+    return w.submit(w.image_job(_body(**body)))
+
+
+def _png(result) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(result.body)))
+
+
+@pytest.mark.parametrize(
+    "overtake, order",
+    [
+        (8, ["flux", "flux", "flux", "sdxl"]),  # flux is on the device: both go first
+        (1, ["flux", "flux", "sdxl", "flux"]),  # sdxl may be overtaken once only
+        (0, ["flux", "sdxl", "flux", "flux"]),  # arrival order
+    ],
+)
+def test_a_resident_pipeline_runs_first_within_the_overtake_bound(worker, gate, overtake, order):
+    # (no prefetch: it would make sdxl resident too, and then arrival order decides)
+    w = worker(schedule=Policy(overtake=overtake), prefetch=False)
+    first, _ = _submit(w, seed=1)
+    assert gate.started.wait(60)
+    queued = [_submit(w, model="sdxl", seed=2), _submit(w, seed=3), _submit(w, seed=4)]
+    gate.set()
+    results = [f.result(120) for f, _ in [(first, None), *queued]]
+    assert gate.ran == order
+    by_order = sorted(results, key=lambda r: r.info["order"])
+    seeds = {"flux": [1, 3, 4], "sdxl": [2]}  # each model's requests in arrival order
+    assert [r.info["seed"] for r in by_order] == [seeds[m].pop(0) for m in order]
+    assert gate.calls == [1, 1, 1, 1]  # batch=1 (the default): every job alone
+
+
+def test_a_pushed_back_request_goes_next_once_the_delay_bound_is_spent(worker, gate):
+    # No time to spare beyond arrival order: only an arrival-order run is allowed,
+    # however resident flux is.
+    w = worker(schedule=Policy(overtake=100, delay_s=0.0), prefetch=False)
+    first, _ = _submit(w, seed=1)
+    assert gate.started.wait(60)
+    queued = [_submit(w, model="sdxl", seed=2), _submit(w, seed=3)]
+    gate.set()
+    for f, _ in [(first, None), *queued]:
+        f.result(120)
+    assert gate.ran == ["flux", "sdxl", "flux"]
+
+
+def test_like_requests_run_as_one_call_each_with_its_own_image(worker, gate, store):
+    from diffusers import DiffusionPipeline
+
+    w = worker(schedule=Policy(batch=4))
+    first, _ = _submit(w, seed=1)
+    assert gate.started.wait(60)
+    seeds = [11, 12, 13]
+    queued = [_submit(w, seed=s, prompt=f"a cat number {s}") for s in seeds]
+    other = _submit(w, seed=14, size="48x48")  # another shape: a call of its own
+    gate.set()
+    first.result(120)
+    results = [f.result(120) for f, _ in queued]
+    assert other[0].result(120).info["size"] == (48, 48)
+    assert gate.calls == [1, 3, 1]
+    assert [r.info["seed"] for r in results] == seeds
+    assert [r.info["batch"] for r in results] == [3, 3, 3]
+    assert len({r.info["order"] for r in results}) == 3
+    # each image is its own request's: the pipeline alone, for that prompt and seed, gives
+    # the same picture (batched float math may move a pixel by one level, no more)
+    pipe = DiffusionPipeline.from_pretrained(str(store / "flux"))
+    pipe.set_progress_bar_config(disable=True)
+    kw = {"height": 32, "width": 32, "num_inference_steps": 2, "max_sequence_length": 16}
+    alone = []
+    for s in seeds:
+        out = pipe(f"a cat number {s}", generator=torch.Generator().manual_seed(s), **kw)
+        alone.append(np.asarray(out.images[0]))
+    for i, r in enumerate(results):
+        diffs = [np.abs(_png(r).astype(int) - a).max() for a in alone]
+        assert diffs[i] <= 1, diffs
+        assert all(d > 1 for j, d in enumerate(diffs) if j != i), diffs
+
+
+def test_a_client_that_leaves_before_its_batch_starts_is_left_out(worker, gate):
+    w = worker(schedule=Policy(batch=4))
+    first, _ = _submit(w, seed=1)
+    assert gate.started.wait(60)
+    queued = [_submit(w, seed=s) for s in (2, 3, 4)]
+    queued[1][1].set()  # its client left
+    gate.set()
+    first.result(120)
+    with pytest.raises(Cancelled):
+        queued[1][0].result(120)
+    kept = [queued[0][0].result(120), queued[2][0].result(120)]
+    assert [r.info["seed"] for r in kept] == [2, 4] and gate.calls == [1, 2]
+
+
+def test_a_failed_batch_runs_its_jobs_alone_and_after_oom_that_shape_stays_alone(
+    worker, gate, monkeypatch
+):
+    from nostall.serve import worker as worker_mod
+
+    failures = []
+
+    def broken(self, jobs, start):
+        failures.append(len(jobs))
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(worker_mod.Worker, "_images", broken)
+    w = worker(schedule=Policy(batch=4))
+    first, _ = _submit(w, seed=1)
+    assert gate.started.wait(60)
+    queued = [_submit(w, seed=s) for s in (2, 3)]
+    gate.set()
+    first.result(120)
+    assert [f.result(120).info["seed"] for f, _ in queued] == [2, 3]  # one by one
+    assert failures == [2] and gate.ran == ["flux"] * 3
+    # that pipeline and shape are not batched again: the next like pair runs alone
+    gate.started.clear()
+    gate.clear()
+    blocker, _ = _submit(w, seed=5)
+    assert gate.started.wait(60)
+    later = [_submit(w, seed=s) for s in (6, 7)]
+    gate.set()
+    blocker.result(120)
+    assert [f.result(120).info["seed"] for f, _ in later] == [6, 7]
+    assert failures == [2] and gate.ran == ["flux"] * 6
+
+
+def test_a_full_queue_says_when_to_come_back(worker, gate):
+    w = worker(max_queue=2)
+    first, _ = _submit(w, seed=1)
+    assert gate.started.wait(60)
+    queued = [_submit(w, seed=2), _submit(w, model="sdxl", seed=3)]
+    with pytest.raises(QueueFull, match="retry in about") as e:
+        _submit(w, seed=4)
+    assert e.value.retry_after is not None and 0 < e.value.retry_after < 60
+    assert w.status()["running"] == "flux" and w.status()["running_batch"] == 1
+    gate.set()
+    for f, _ in [(first, None), *queued]:
+        f.result(120)
+
+
+def test_the_wait_estimate_grows_with_the_work_queued(worker, gate):
+    # after one measured flux run, a queue of more flux work is estimated to take longer
+    w = worker(max_queue=4)
+    first, _ = _submit(w, seed=1)
+    assert gate.started.wait(60)
+    gate.set()
+    first.result(120)
+    gate.clear()
+    gate.started.clear()
+    waits = []
+    blocker, _ = _submit(w, seed=2)
+    assert gate.started.wait(60)
+    queued = []
+    for steps in (2, 20):
+        while len(queued) < 4:
+            try:
+                queued.append(_submit(w, seed=10 + len(queued), steps=steps))
+            except QueueFull:
+                break
+        with pytest.raises(QueueFull) as e:
+            _submit(w, seed=99)
+        waits.append(e.value.retry_after)
+        if steps == 2:  # make room for the longer jobs: their clients leave
+            for _, gone in queued:
+                gone.set()
+            queued = []
+            gate.set()
+            blocker.result(120)
+            gate.clear()
+            gate.started.clear()
+            blocker, _ = _submit(w, seed=3)
+            assert gate.started.wait(60)
+    assert waits[1] > waits[0] > 0
+    gate.set()
+    for f, _ in [(blocker, None), *queued]:
+        f.result(120)
+
+
+def test_a_429_carries_retry_after_from_the_estimate(serve, gate):
+    server, w = serve(max_queue=1, prepare=False)
+    results: list[httpx.Response] = []
+
+    def post(seed):
+        results.append(httpx.post(f"{server.url}/v1/images/generations",
+                                  json=_body(seed=seed), timeout=120))  # fmt: skip
+
+    first = threading.Thread(target=post, args=(1,))
+    first.start()
+    assert gate.started.wait(60)
+    second = threading.Thread(target=post, args=(2,))
+    second.start()
+    _wait_for(lambda: w.status()["queue"], "the second request to be queued")
+    r = httpx.post(f"{server.url}/v1/images/generations", json=_body(seed=3), timeout=120)
+    assert r.status_code == 429
+    wait = r.json()["error"]["retry_after_s"]
+    assert wait > 0 and r.headers["retry-after"] == str(max(1, math.ceil(wait)))
+    gate.set()
+    first.join(120)
+    second.join(120)
+    assert sorted(x.status_code for x in results) == [200, 200]
+
+
+def test_the_next_batchs_pipeline_is_prefetched_once_however_many_ask(worker, gate):
+    w = worker()
+    first, _ = _submit(w, seed=1)
+    assert gate.started.wait(60)
+    queued = [_submit(w, model="sdxl", seed=s) for s in (2, 3, 4)]
+
+    def prefetches():
+        return [r for r in w.cache.reports if r.prefetch and r.pipeline == "sdxl"]
+
+    _wait_for(prefetches, "the sdxl prefetch")
+    gate.set()
+    for f, _ in [(first, None), *queued]:
+        f.result(120)
+    assert len(prefetches()) == 1
+    assert not [r for r in w.cache.reports if r.prefetch and r.pipeline == "flux"]
