@@ -13,6 +13,7 @@ def test_all_is_exactly_the_public_surface():
         "checkpoint",
         "errors",
         "io",
+        "logs",
         "memory",
         "transfer",
         "assemble",

@@ -30,3 +30,36 @@ def test_images_on_cuda_equal_diffusers(serve, store):
     assert np.array_equal(got, np.asarray(ref))
     phases = r.json()["nostall"]["phases"]
     assert phases["denoise"] > 0 and phases["copy"] > 0
+
+
+def _fill_device() -> list[torch.Tensor]:
+    """Take every byte torch can still allocate on the GPU (halving chunks down to its
+    smallest block), so that the next allocation anywhere in the process fails."""
+    hog: list[torch.Tensor] = []
+    size = 1 << 30
+    while size >= 512:
+        try:
+            hog.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+        except torch.OutOfMemoryError:
+            size //= 2
+    return hog
+
+
+def test_a_real_out_of_memory_is_answered_503_and_the_worker_keeps_serving(serve):
+    server, worker = serve(device="cuda", gpu_budget=256 << 20)
+    body = {"model": "sdxl", "prompt": "a cat", "size": "32x32", "steps": 2, "seed": 7}
+    with httpx.Client(base_url=server.url, timeout=300) as c:
+        assert c.post("/v1/images/generations", json=body).status_code == 200
+        peaks = worker.status()["budget"]["peaks"]
+        assert peaks["sdxl"]["32x32 b1"] > 0  # measured on first use
+        hog = _fill_device()
+        try:
+            r = c.post("/v1/images/generations", json={**body, "size": "64x64"})
+        finally:
+            del hog
+            torch.cuda.empty_cache()
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["type"] == "device_busy" and int(r.headers["retry-after"]) >= 1
+        again = c.post("/v1/images/generations", json={**body, "size": "64x64"})
+        assert again.status_code == 200, again.text
+        assert worker.ready
