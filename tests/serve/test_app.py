@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
+import socket
 import threading
 import time
 
@@ -82,6 +84,8 @@ def test_images_equal_diffusers_for_the_seed_and_carry_their_phases(serve, store
     "body, status, says",
     [
         ("{not json", 400, "not JSON"),
+        ("[" * 100_000, 400, "nested too deep"),
+        (b'{"model": "\xff"}', 400, "not JSON"),
         ({"model": "flux"}, 422, "prompt"),
         (_body(size="33x32"), 422, "multiple of 8"),
         (_body(size="big"), 422, "WIDTHxHEIGHT"),
@@ -92,15 +96,238 @@ def test_images_equal_diffusers_for_the_seed_and_carry_their_phases(serve, store
         (_body(sampler="euler"), 422, "sampler"),
         (_body(guidance=-1.0), 422, "guidance=-1.0"),
         (_body(seed=-5), 422, "seed=-5"),
+        # each pipeline's own limits, before queueing (these reached the pipeline: 500)
+        (_body("sd3", size="256x256"), 422, "pos_embed_max_size 96"),
+        (_body(max_sequence_length=600), 422, "max_sequence_length=600"),
+        (_body("sdxl", max_sequence_length=16), 422, "takes no max_sequence_length"),
+        (_body("wan"), 422, "video pipeline"),
+        # strict types: no string or float numbers
+        (_body(steps="2"), 422, "steps: Input should be a valid integer"),
+        (_body(steps=2.0), 422, "steps: Input should be a valid integer"),
+        (_body(max_sequence_length="16"), 422, "max_sequence_length"),
+        (_body(seed=True), 422, "seed"),
     ],
 )
 def test_bad_requests_get_clear_4xx_and_the_worker_keeps_serving(shared_server, body, status, says):
     with httpx.Client(base_url=shared_server.url, timeout=120) as c:
-        kw = {"content": body} if isinstance(body, str) else {"json": body}
+        kw = {"content": body} if isinstance(body, (str, bytes)) else {"json": body}
         r = c.post("/v1/images/generations", **kw)
         assert r.status_code == status, r.text
         assert says in r.json()["error"]["message"]
         assert c.post("/v1/images/generations", json=_body()).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "body, field, allowed",
+    [
+        (_body("sd3", size="256x256"), "size", {"multiple_of": 8, "min": 16, "max": 192}),
+        (_body(max_sequence_length=600), "max_sequence_length", {"min": 1, "max": 512}),
+        (_body(steps=0), "steps", {"min": 1, "max": 150}),
+        (_body("wan"), "model", ["flux", "sd3", "sdxl"]),
+        (_body(steps="2"), "steps", None),
+    ],
+)
+def test_a_422_names_the_field_and_the_allowed_values(shared_server, body, field, allowed):
+    r = httpx.post(f"{shared_server.url}/v1/images/generations", json=body, timeout=60)
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["field"] == field
+    if allowed is not None:
+        assert err["allowed"] == allowed
+
+
+def test_a_pipeline_value_error_at_run_time_is_422_logged_without_traceback(
+    serve, monkeypatch, caplog
+):
+    from nostall.serve import worker as worker_mod
+
+    real = worker_mod.image_kwargs
+
+    def refuse(pipe, job, device):
+        if job.seed == 13:
+            raise ValueError("`height` and `width` have to be divisible by 8 but are 30 and 30.")
+        return real(pipe, job, device)
+
+    monkeypatch.setattr(worker_mod, "image_kwargs", refuse)
+    caplog.set_level(logging.INFO)
+    server, _ = serve(prepare=False)
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        r = c.post("/v1/images/generations", json=_body(seed=13))
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["type"] == "rejected_by_pipeline"
+        assert "divisible by 8" in r.json()["error"]["message"]
+        assert c.post("/v1/images/generations", json=_body(seed=1)).status_code == 200
+    refused = [x for x in caplog.records if "refused" in x.getMessage()]
+    assert len(refused) == 1 and refused[0].levelno == logging.INFO
+    assert not [x for x in caplog.records if x.exc_info or x.levelno >= logging.ERROR]
+
+
+def _latents(*shape, fill=None):
+    from safetensors.torch import save
+
+    z = torch.zeros(*shape) if fill is None else torch.full(shape, fill)
+    return save({"latents": z})
+
+
+@pytest.mark.parametrize(
+    "model, content, field, says",
+    [
+        ("wan", _latents(2, 16, 3, 4, 4), "latents", "a batch of 2"),
+        ("wan", _latents(1, 4, 3, 4, 4), "latents", "4 channels"),
+        ("wan", _latents(16, 3, 4, 4), "latents", "(1, 16, T, h, w)"),
+        ("wan", _latents(1, 16, 3, 4, 4, fill=float("nan")), "latents", "NaN or infinite"),
+        ("wan", _latents(1, 16, 41, 92, 160), "latents", "161 frames of at most 921600"),
+        ("flux", _latents(1, 16, 3, 4, 4), "model", "not a Wan VAE"),
+    ],
+)
+def test_bad_latents_get_422_naming_the_fault_before_queueing(serve, model, content, field, says):
+    server, worker = serve(prepare=False)
+    r = httpx.post(f"{server.url}/v1/videos/decode", params={"model": model},
+                   content=content, timeout=60)  # fmt: skip
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["field"] == field and says in err["message"], err
+    if field == "model":
+        assert err["allowed"] == ["wan"]
+    assert worker.recent == type(worker.recent)() and not worker.cache.reports  # nothing ran
+
+
+def test_a_decode_query_is_checked_before_its_body_is_read(shared_server):
+    head = (
+        b"POST /v1/videos/decode?model=wan&mode=turbo HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Length: 1000000\r\nConnection: close\r\n\r\n"
+    )
+    out = _raw(shared_server.port, head)  # no body sent at all
+    assert out.startswith(b"HTTP/1.1 422") and b'"field":"mode"' in out, out[:300]
+    r = httpx.post(f"{shared_server.url}/v1/videos/decode", params={"model": "wan", "fps": "x"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "fps"
+    r = httpx.post(f"{shared_server.url}/v1/videos/decode", params={"model": "nope"})
+    assert r.status_code == 404 and "wan" in r.json()["error"]["models"]
+
+
+def _raw(port: int, data: bytes) -> bytes:
+    """Send ``data`` on a fresh connection; what the server answered before closing."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+@pytest.mark.parametrize(
+    "path, length",
+    [("/v1/images/generations", 10**9), ("/v1/videos/decode?model=wan", (128 << 20) + 1)],
+)
+def test_a_large_body_is_refused_413_before_it_is_read(shared_server, path, length):
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\n\r\n"
+    ).encode()
+    t = time.monotonic()
+    out = _raw(shared_server.port, head + b"{" * 1000)
+    assert out.startswith(b"HTTP/1.1 413"), out[:300]
+    assert time.monotonic() - t < 10
+
+
+def test_random_model_names_add_no_metric_series(shared_server):
+    import random
+
+    def series(text):
+        return {ln.rsplit(" ", 1)[0] for ln in text.splitlines()
+                if ln.startswith("nostall_requests_total{")}  # fmt: skip
+
+    with httpx.Client(base_url=shared_server.url, timeout=60) as c:
+        before = series(c.get("/metrics").text)
+        for _ in range(300):
+            name = "".join(random.choices("abcdefghijklmnopqrstuvwxyz", k=12))
+            assert c.post("/v1/images/generations", json=_body(name)).status_code == 404
+        after = series(c.get("/metrics").text)
+    assert len(after - before) <= 1  # at most the one "unknown" series
+    assert all('model="unknown"' in s for s in after - before)
+    assert 'nostall_requests_total{endpoint="images",model="unknown",status="404"}' in after
+
+
+def test_a_token_guards_everything_but_the_probes(store):
+    from nostall.serve.app import create_app
+    from nostall.serve.local import BackgroundServer
+    from nostall.serve.worker import Worker
+
+    worker = Worker(store, device="cpu", gpu_budget=64 << 20, host_budget=64 << 20, prepare=False)
+    server = BackgroundServer(create_app(worker, token="tok-123"))
+    with server, httpx.Client(base_url=server.url, timeout=60) as c:
+        r = c.post("/v1/images/generations", json=_body())
+        assert r.status_code == 401 and r.json()["error"]["type"] == "unauthorized"
+        for path in ("/", "/metrics", "/v1/models", "/status.json"):
+            assert c.get(path).status_code == 401, path
+        assert c.get("/healthz").status_code == 200
+        assert c.get("/v1/models", headers={"Authorization": "Bearer tok-123"}).is_success
+        r = c.post("/v1/images/generations", json=_body(),
+                   headers={"Authorization": "Bearer tok-123"})  # fmt: skip
+        assert r.status_code == 200
+
+
+def test_a_request_past_its_time_limit_gets_504_and_its_queued_job_never_runs(store, monkeypatch):
+    from nostall.serve import worker as worker_mod
+    from nostall.serve.app import create_app
+    from nostall.serve.local import BackgroundServer
+    from nostall.serve.worker import Worker
+
+    started, gate = threading.Event(), threading.Event()
+    real = worker_mod.Worker._image
+    ran = []
+
+    def slow(self, job, start):
+        ran.append(job.seed)
+        started.set()
+        gate.wait(60)
+        return real(self, job, start)
+
+    monkeypatch.setattr(worker_mod.Worker, "_image", slow)
+    worker = Worker(store, device="cpu", gpu_budget=64 << 20, host_budget=64 << 20, prepare=False)
+    with BackgroundServer(create_app(worker, time_limit=1.0)) as server:
+        results = {}
+
+        def post(seed):
+            results[seed] = httpx.post(f"{server.url}/v1/images/generations",
+                                       json=_body(seed=seed), timeout=60)  # fmt: skip
+
+        first = threading.Thread(target=post, args=(1,))
+        first.start()
+        assert started.wait(30)
+        post(2)  # queued behind the first, then past its limit
+        first.join(60)
+        assert results[1].status_code == 504 and results[2].status_code == 504
+        assert results[2].json()["error"]["type"] == "time_limit"
+        gate.set()
+        assert httpx.post(f"{server.url}/v1/images/generations", json=_body(seed=3),
+                          timeout=60).status_code == 200  # fmt: skip
+    assert ran == [1, 3]  # seed 2's job was dropped from the queue
+
+
+def test_a_broken_pipeline_folder_is_shown_unavailable_and_the_rest_served(store, tmp_path):
+    from nostall.serve.app import create_app
+    from nostall.serve.local import BackgroundServer
+    from nostall.serve.worker import Worker
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "sdxl").symlink_to(store / "sdxl", target_is_directory=True)
+    (models / "broken").mkdir()
+    (models / "broken" / "model_index.json").write_text("{not json")
+    worker = Worker(models, device="cpu", gpu_budget=64 << 20, host_budget=64 << 20)
+    with (
+        BackgroundServer(create_app(worker)) as server,
+        httpx.Client(base_url=server.url, timeout=120) as c,
+    ):
+        data = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+        assert data["sdxl"]["available"] and not data["broken"]["available"]
+        assert "model_index.json" in data["broken"]["reason"]
+        page = c.get("/").text
+        assert "unavailable" in page and "broken" in page
+        r = c.post("/v1/images/generations", json=_body("broken"))
+        assert r.status_code == 503 and r.json()["error"]["type"] == "model_unavailable"
+        assert c.post("/v1/images/generations", json=_body("sdxl")).status_code == 200
 
 
 def test_unknown_model_is_404_listing_the_models(shared_server):
@@ -236,7 +463,7 @@ def test_shutdown_finishes_the_running_job_and_fails_the_queued(serve, monkeypat
     assert results[1].status_code == 200  # the running job finished
 
 
-def test_a_client_that_leaves_while_queued_is_skipped(serve, monkeypatch):
+def test_a_client_that_leaves_while_queued_is_skipped(serve, monkeypatch, caplog):
     from nostall.serve import worker as worker_mod
 
     started, gate = threading.Event(), threading.Event()
@@ -250,6 +477,7 @@ def test_a_client_that_leaves_while_queued_is_skipped(serve, monkeypatch):
         return real(self, job, start)
 
     monkeypatch.setattr(worker_mod.Worker, "_image", slow)
+    caplog.set_level(logging.INFO, logger="nostall")
     server, worker = serve(prepare=False)
     gone: list[threading.Event] = []  # per submitted job: set when its client has left
     real_submit = worker.submit
@@ -276,6 +504,9 @@ def test_a_client_that_leaves_while_queued_is_skipped(serve, monkeypatch):
     assert r.status_code == 200
     assert ran == [1, 3]  # seed 2 never ran
     assert len(worker.status()["recent"]) == 2
+    left = [r for r in caplog.records if "left before its answer" in r.getMessage()]
+    assert len(left) == 1 and left[0].levelno == logging.INFO and not left[0].exc_info
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
 
 
 def test_the_next_queued_model_is_prefetched_while_the_current_one_runs(serve, monkeypatch):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import typer
 
 from nostall.cli.app import (
@@ -22,21 +24,90 @@ def _port(default: int, help: str = "Port.") -> int:
     return typer.Option(default, callback=in_range(1, 65535), help=help)
 
 
+def _http_url(value: str | None) -> str | None:
+    """An ``http(s)://host[:port][/path]`` URL as given; a usage error otherwise."""
+    if value is None:
+        return None
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 (raises ValueError for a port out of range or not a number)
+    except ValueError as e:
+        raise typer.BadParameter(f"{value!r} is not a URL ({e})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise typer.BadParameter(
+            f"{value!r} is not an http(s) URL; give e.g. http://127.0.0.1:8001"
+        )
+    return value
+
+
 @app.command()
 def serve(
     models: str = typer.Option(..., "--models", help="Folder of diffusers pipeline folders."),
     device: str = device_option("cuda[:N] or cpu (default: cuda if present)."),
     host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default)."),
     port: int = _port(8000),
-    max_queue: int = typer.Option(16, help="Requests allowed to wait; more get 429."),
-    gpu_budget_gb: float = typer.Option(None, help="Device tier (default: 80% of free)."),
+    max_queue: int = typer.Option(
+        16, callback=in_range(1), help="Requests allowed to wait; more get 429."
+    ),
+    gpu_budget_gb: float = typer.Option(
+        None,
+        help="Device tier (default: the GPU's free memory less the activation reserve and "
+        "--embed-budget-gb).",
+    ),
     host_budget_gb: float = typer.Option(None, help="Pinned host tier (default: half of RAM)."),
     dtype: str = typer.Option(None, help="bf16, fp16 or fp32 (default: as stored)."),
     prepare: bool = typer.Option(
         True, "--prepare/--no-prepare", help="Build every pipeline's modules at boot."
     ),
+    embed_budget_gb: float = typer.Option(
+        None,
+        callback=in_range(0.0),
+        help="GPU memory an embedding service in another process on this GPU takes (its "
+        "encoders; nostall embed-server prints it): left out of the default device tier.",
+    ),
+    activation_reserve_gb: float = typer.Option(
+        None,
+        callback=in_range(0.0),
+        help="GPU memory kept free for activations (default: the largest peak remembered "
+        "for these pipelines, with a margin; at least 10% of free memory, 2 GiB).",
+    ),
     embed_url: str = typer.Option(
-        None, help="An embedding service (nostall embed-server) for FLUX, SDXL and SD3 prompts."
+        None,
+        callback=_http_url,
+        help="An embedding service (nostall embed-server) for FLUX, SDXL and SD3 prompts.",
+    ),
+    api_token: str = typer.Option(
+        None,
+        "--api-token",
+        envvar="NOSTALL_API_TOKEN",
+        show_envvar=True,
+        help="Requests must carry 'Authorization: Bearer <token>' (the probes excepted).",
+    ),
+    time_limit_s: float = typer.Option(
+        600.0, callback=in_range(0.001), help="Seconds a request may wait for its answer (504)."
+    ),
+    max_connections: int = typer.Option(
+        256, callback=in_range(1), help="Open connections and requests at once; more get 503."
+    ),
+    batch: int = typer.Option(
+        1,
+        callback=in_range(1),
+        help="Run up to this many queued image requests of one model, size and steps as one "
+        "pipeline call (1: each alone; batched images can differ in their last bits from "
+        "the same requests run alone).",
+    ),
+    max_overtaken: int = typer.Option(
+        8,
+        callback=in_range(0),
+        help="Requests for a model already on the GPU go first, but no request is overtaken "
+        "by more than this many later ones (0: arrival order).",
+    ),
+    max_delay_s: float = typer.Option(
+        30.0,
+        callback=in_range(0.0),
+        help="...nor pushed back by more than this many (estimated) seconds.",
     ),
 ) -> None:
     """Serve image generation and video decoding over HTTP (OpenAI's images API shape),
@@ -44,11 +115,16 @@ def serve(
     import uvicorn
 
     from nostall.serve.app import create_app
+    from nostall.serve.http import check_server, uvicorn_config
+    from nostall.serve.schedule import Policy
     from nostall.serve.worker import Worker
 
     gpu_budget = gigabytes(gpu_budget_gb, "--gpu-budget-gb")
     host_budget = gigabytes(host_budget_gb, "--host-budget-gb")
     dt = parse_dtype(dtype)
+    with usage_errors("--api-token"):
+        # checked (and the exposure warned of) before the worker reads a byte
+        check_server(host=host, port=port, token=api_token or None, what="the worker")
     with usage_errors():
         worker = Worker(
             models,
@@ -59,12 +135,30 @@ def serve(
             max_queue=max_queue,
             prepare=prepare,
             embed_url=embed_url,
+            reserve=None if activation_reserve_gb is None else int(activation_reserve_gb * 1e9),
+            external=int((embed_budget_gb or 0) * 1e9),
+            schedule=Policy(batch=batch, overtake=max_overtaken, delay_s=max_delay_s),
         )
+    # Refused here, before the server binds, when a pipeline can never fit the device
+    # tier (BudgetExceeded, printed as an error naming it); the app's start is then a no-op.
+    worker.start()
+    console.print(f"nostall worker: device budget {worker.budget.describe()}")
+    app_ = create_app(worker, token=api_token or None, time_limit=time_limit_s)
+    config = uvicorn_config(
+        app_,
+        host=host,
+        port=port,
+        token=api_token or None,
+        limit_concurrency=max_connections,
+        warn=False,  # check_server said it
+    )
+    # a client that leaves, a refused body: one INFO line each
+    logging.getLogger("nostall.serve").setLevel(logging.INFO)
     console.print(
         f"nostall worker: {len(worker.names())} pipelines on {worker.device}; "
         f"http://{host}:{port}/ (status), /v1/images/generations, /v1/videos/decode"
     )
-    uvicorn.run(create_app(worker), host=host, port=port, log_level="info")
+    uvicorn.Server(config).run()
 
 
 @app.command()
@@ -133,7 +227,7 @@ def embed_server(
     port: int = _port(8001),
     dtype: str = typer.Option(None, help="bf16, fp16 or fp32 (default: as stored)."),
     cache_gb: float = typer.Option(
-        1.0, callback=in_range(0.0), help="Byte budget of the embedding cache."
+        1.0, callback=in_range(0.0), help="Byte budget of the embedding cache (keys and values)."
     ),
     token_budget: int = typer.Option(
         8192, callback=in_range(1), help="A batch closes at this many tokens..."
@@ -141,15 +235,31 @@ def embed_server(
     max_wait_ms: float = typer.Option(
         5.0, callback=in_range(0.0), help="...or this long after its first text."
     ),
+    max_queue: int = typer.Option(
+        1024, callback=in_range(1), help="Texts allowed to wait; more get 429 with Retry-After."
+    ),
+    max_text_chars: int = typer.Option(
+        8192, callback=in_range(1), help="Longest text in characters; longer ones get 422."
+    ),
+    api_token: str = typer.Option(
+        None,
+        "--api-token",
+        envvar="NOSTALL_API_TOKEN",
+        show_envvar=True,
+        help="Requests must carry 'Authorization: Bearer <token>' (the probes excepted).",
+    ),
 ) -> None:
     """Serve the store's text encoders (T5, UMT5, CLIP): unpooled and pooled embeddings as
     safetensors, dynamic batching, an exact-match cache."""
     import uvicorn
 
     from nostall.serve.embed import EmbeddingService, create_embed_app
+    from nostall.serve.http import check_server, uvicorn_config
 
     dt = parse_dtype(dtype)
-    with usage_errors():
+    token = api_token or None
+    with usage_errors():  # the token and the address before a model is read
+        check_server(host=host, port=port, token=token, what="the embedding service")
         service = EmbeddingService(
             models,
             device=device,
@@ -157,9 +267,20 @@ def embed_server(
             cache_bytes=int(cache_gb * 1e9),
             token_budget=token_budget,
             max_wait_s=max_wait_ms / 1e3,
+            max_queue=max_queue,
+            max_text_chars=max_text_chars,
+            max_texts=min(256, max_queue),  # a request must fit the queue
         )
+        app_ = create_embed_app(service, api_token=token)
+        config = uvicorn_config(app_, host=host, port=port, token=token, warn=False)
     console.print(
         f"nostall embeddings: {len(service.names())} encoders on {service.device}; "
         f"POST http://{host}:{port}/v1/embeddings"
     )
-    uvicorn.run(create_embed_app(service), host=host, port=port, log_level="info")
+    if service.device.type == "cuda":
+        console.print(
+            f"its encoders take {service.encoder_bytes / 1e9:.2f} GB of {service.device} once "
+            f"loaded: a worker on this GPU leaves them out with --embed-budget-gb "
+            f"{service.encoder_bytes / 1e9 + 0.01:.2f}"
+        )
+    uvicorn.Server(config).run()

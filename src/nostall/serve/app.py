@@ -5,15 +5,21 @@
     "negative_prompt", "max_sequence_length", "response_format": "b64_json" | "png"}``;
     answers ``{"created", "data": [{"b64_json"}], "nostall": {...}}`` or the PNG bytes.
 ``POST /v1/videos/decode?model=&fps=&mode=&denormalize=``  body: safetensors bytes
-    holding ``latents`` (B, C, T, h, w); answers the MP4.
+    holding ``latents`` (1, C, T, h, w); answers the MP4.
 ``GET /v1/models``, ``/healthz``, ``/readyz``, ``/metrics`` (Prometheus), ``/`` (status).
 
 Every answer to a generation or decode carries the phase times in a ``Server-Timing``
 header (milliseconds, what browsers' developer tools show) and ``X-Nostall-*`` headers,
 and image JSON answers in ``nostall.phases`` too. Errors are JSON ``{"error": {"type",
-"message"}}``: 400 malformed body, 404 unknown model (listing the models), 413 latents
-too large, 422 a value out of range (naming it), 429 queue full (``Retry-After``), 503
-shutting down, 500 anything else (the worker keeps serving).
+"message", ...}}``: 400 malformed body, 401 no or wrong token (with ``token=``), 404
+unknown model (listing the models), 408 a body that did not arrive in time, 413 a body
+too large (refused from its ``Content-Length`` before it is read), 422 a value the
+pipeline cannot take — checked before queueing against the pipeline's own limits
+(:mod:`nostall.serve.requests`), or refused by the pipeline as it ran — with ``field``
+and ``allowed``, 429 queue full (``Retry-After``), 503 shutting down, out of device
+memory twice (``Retry-After``) or a pipeline left out at start (the reason), 504 no
+answer within the request time limit, 500 anything else (the worker keeps serving).
+Network-facing guards come from :mod:`nostall.serve.http`.
 """
 
 from __future__ import annotations
@@ -22,18 +28,31 @@ import asyncio
 import base64
 import html
 import json
+import logging
+import math
 import time
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from nostall.errors import ArgumentError, BudgetExceeded, NostallError, UnknownModel
-from nostall.serve.worker import Cancelled, QueueFull, Result, ShuttingDown, VideoJob, Worker
+from nostall.errors import (
+    ArgumentError,
+    BudgetExceeded,
+    DeviceBusy,
+    LatentsError,
+    NostallError,
+    UnknownModel,
+)
+from nostall.serve.http import error_response, harden
+from nostall.serve.worker import Cancelled, QueueFull, Result, ShuttingDown, Worker
 
 __all__ = ["create_app"]
+
+log = logging.getLogger(__name__)
 
 
 class ImageBody(BaseModel):
@@ -41,7 +60,8 @@ class ImageBody(BaseModel):
     ``style`` are accepted and ignored; unknown fields are refused (a typo should not
     silently fall back to a default)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: "28", 28.0 and true are not a number of steps (a client bug to show)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     prompt: str
@@ -58,11 +78,31 @@ class ImageBody(BaseModel):
     style: str | None = None
 
 
-def _error(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
-    headers = extra.pop("headers", None)
-    return JSONResponse(
-        {"error": {"type": kind, "message": message, **extra}}, status_code=status, headers=headers
-    )
+_error = error_response
+
+
+def _invalid(e: ArgumentError) -> JSONResponse:
+    """A 422 naming the field at fault and what it allows, where the error says."""
+    extra: dict[str, Any] = {}
+    if getattr(e, "field", None) is not None:
+        extra["field"] = e.field
+        extra["allowed"] = e.allowed
+    return _error(422, "invalid_value", str(e), **extra)
+
+
+def _settled(f: asyncio.Future) -> None:
+    """Read the outcome of a job whose client left (asyncio logs one nobody read)."""
+    if not f.cancelled():
+        f.exception()
+
+
+def _schema_error(e: ValidationError | Any) -> JSONResponse:
+    """A 422 for a body or query that does not fit the schema (first problem named)."""
+    first = e.errors()[0]
+    loc = [str(x) for x in first["loc"] if x not in ("body", "query")]
+    where = ".".join(loc) or "body"
+    got = f" (got {first['input']!r})" if "input" in first and loc else ""
+    return _error(422, "invalid_value", f"{where}: {first['msg']}{got}", field=where)
 
 
 def _timing_headers(result: Result) -> dict[str, str]:
@@ -76,9 +116,23 @@ def _timing_headers(result: Result) -> dict[str, str]:
     return headers
 
 
-def create_app(worker: Worker) -> FastAPI:
+def create_app(
+    worker: Worker,
+    *,
+    token: str | None = None,
+    time_limit: float | None = 600.0,
+    max_body: int = 1 << 20,
+    body_timeout: float | None = 120.0,
+) -> FastAPI:
     """The app over ``worker``; starting the app starts the worker, stopping it shuts the
-    worker down (running job finished, queued jobs answered 503)."""
+    worker down (running job finished, queued jobs answered 503).
+
+    ``token``: every request but ``/healthz`` and ``/readyz`` needs ``Authorization:
+    Bearer <token>``. ``time_limit``: seconds a request may wait for its answer (504
+    after; a queued job is then dropped). ``max_body``: bytes of a JSON body (the
+    latents of a decode may take ``worker.limits.max_latent_bytes``), refused 413 from
+    the ``Content-Length`` before they are read; ``body_timeout``: seconds a body may
+    take to arrive (408 after)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -89,38 +143,75 @@ def create_app(worker: Worker) -> FastAPI:
             await asyncio.to_thread(worker.shutdown)
 
     app = FastAPI(title="nostall", lifespan=lifespan)
+    harden(
+        app,
+        token=token,
+        max_body=max_body,
+        body_limits={"/v1/videos/decode": worker.limits.max_latent_bytes},
+        body_timeout=body_timeout,
+        time_limit=time_limit,
+    )
     m = worker.metrics
 
+    @app.exception_handler(RequestValidationError)
+    async def bad_query(request: Request, e: RequestValidationError) -> Response:
+        return _schema_error(e)
+
     def answer(endpoint: str, model: str, resp: Response, t0: float) -> Response:
-        m.requests.labels(endpoint, model, str(resp.status_code)).inc()
-        m.latency.labels(endpoint).observe(time.perf_counter() - t0)
+        m.answered(endpoint, model, resp.status_code, time.perf_counter() - t0, worker.names())
         return resp
+
+    def unavailable(model: str) -> Response | None:
+        why = getattr(worker, "unavailable", {}).get(model)
+        if why is None:
+            return None
+        return _error(503, "model_unavailable", f"pipeline {model!r} is not served: {why}")
+
+    def unknown(model: str) -> Response:
+        return _error(404, "unknown_model", f"no model {model!r}", models=worker.names())
 
     async def run(request: Request, job) -> Result | Response:
         try:
             future, gone = worker.submit(job)
         except UnknownModel:
-            return _error(404, "unknown_model", f"no model {job.model!r}", models=worker.names())
+            return unknown(job.model)
         except QueueFull as e:
-            return _error(429, "queue_full", str(e), headers={"Retry-After": "1"})
+            wait = e.retry_after if e.retry_after is not None else 1.0  # the queue's estimate
+            return _error(429, "queue_full", str(e), retry_after_s=round(wait, 3),
+                          headers={"Retry-After": str(max(1, math.ceil(wait)))})  # fmt: skip
         except ShuttingDown as e:
             return _error(503, "shutting_down", str(e))
         waiting = asyncio.ensure_future(asyncio.wrap_future(future))
-        while not waiting.done():
-            await asyncio.wait({waiting}, timeout=0.2)
-            if not waiting.done() and await request.is_disconnected():
-                gone.set()  # skipped if it has not started; a running job finishes
-                return Response(status_code=499)
+        try:
+            while not waiting.done():
+                await asyncio.wait({waiting}, timeout=0.2)
+                if not waiting.done() and await request.is_disconnected():
+                    gone.set()  # skipped if it has not started; a running job finishes
+                    waiting.add_done_callback(_settled)  # its outcome has no reader now
+                    who = f"{request.client.host}:{request.client.port}" if request.client else "?"
+                    log.info("%s: client %s left before its answer; dropped", job.model, who)
+                    return Response(status_code=499)
+        except asyncio.CancelledError:  # the request's time limit, or the server stopping
+            gone.set()
+            waiting.add_done_callback(_settled)
+            raise
         try:
             return waiting.result()
         except ArgumentError as e:
-            return _error(422, "invalid_value", str(e))
+            return _invalid(e)
+        except LatentsError as e:  # the decoder's own checks, as it ran
+            return _error(422, "invalid_value", str(e), field="latents")
         except (ShuttingDown, Cancelled) as e:
             return _error(503, "shutting_down", str(e))
         except BudgetExceeded as e:
             return _error(503, "no_room", str(e), headers={"Retry-After": "5"})
+        except DeviceBusy as e:  # out of device memory twice: the worker carries on
+            wait = str(max(1, math.ceil(e.retry_after)))
+            return _error(503, "device_busy", str(e), headers={"Retry-After": wait})
         except NostallError as e:
             return _error(500, type(e).__name__, str(e))
+        except ValueError as e:  # the pipeline refused what it was given (check_inputs)
+            return _error(422, "rejected_by_pipeline", f"{job.model}: {e}")
         except Exception as e:  # the worker thread survived it; say what happened
             return _error(500, type(e).__name__, f"{type(e).__name__}: {e}")
 
@@ -130,21 +221,24 @@ def create_app(worker: Worker) -> FastAPI:
         raw = await request.body()
         try:
             body = ImageBody.model_validate(json.loads(raw))
-        except json.JSONDecodeError as e:
-            return answer(
-                "images", "-", _error(400, "malformed_json", f"body is not JSON: {e}"), t0
-            )
         except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(x) for x in first["loc"]) or "body"
-            msg = f"{where}: {first['msg']}"
-            return answer("images", "-", _error(422, "invalid_value", msg), t0)
+            return answer("images", "-", _schema_error(e), t0)
+        except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, or nested too deep
+            why = "nested too deep" if isinstance(e, RecursionError) else str(e)
+            bad = _error(400, "malformed_json", f"body is not JSON: {why}")
+            return answer("images", "-", bad, t0)
         if body.n != 1:
-            return answer("images", body.model, _error(422, "invalid_value", "n: only 1"), t0)
+            bad = _error(422, "invalid_value", "n: only 1", field="n", allowed=[1])
+            return answer("images", body.model, bad, t0)
+        refused = unavailable(body.model)
+        if refused is not None:
+            return answer("images", body.model, refused, t0)
         try:
             job = worker.image_job(body.model_dump(exclude_none=True))
+        except UnknownModel:
+            return answer("images", body.model, unknown(body.model), t0)
         except ArgumentError as e:
-            return answer("images", body.model, _error(422, "invalid_value", str(e)), t0)
+            return answer("images", body.model, _invalid(e), t0)
         out = await run(request, job)
         if isinstance(out, Response):
             return answer("images", body.model, out, t0)
@@ -178,28 +272,35 @@ def create_app(worker: Worker) -> FastAPI:
     ) -> Response:
         from safetensors.torch import load as load_safetensors
 
-        from nostall.video.wan import MODES
+        from nostall.serve.requests import check_video_target
 
         t0 = time.perf_counter()
-        if mode not in MODES:
-            msg = f"mode={mode!r}; choose one of {', '.join(MODES)}"
-            return answer("videos", model, _error(422, "invalid_value", msg), t0)
-        if not 0 < fps <= 240:
-            return answer("videos", model, _error(422, "invalid_value", f"fps={fps}"), t0)
-        raw = await request.body()
-        if len(raw) > worker.limits.max_latent_bytes:
-            msg = f"{len(raw)} bytes of latents; at most {worker.limits.max_latent_bytes}"
-            return answer("videos", model, _error(413, "too_large", msg), t0)
+        # everything the query decides, before a byte of the latents is read
+        refused = unavailable(model)
+        if refused is not None:
+            return answer("videos", model, refused, t0)
+        try:
+            check_video_target(worker.rules.video(model), worker.limits, fps=fps, mode=mode)
+        except UnknownModel:
+            return answer("videos", model, unknown(model), t0)
+        except ArgumentError as e:
+            if e.field == "model":
+                e.allowed = worker.rules.serving("video", worker.names())
+            return answer("videos", model, _invalid(e), t0)
+        raw = await request.body()  # at most max_latent_bytes: BodyLimit saw to it
         try:
             tensors = load_safetensors(raw)
         except Exception as e:
             msg = f"body is not a safetensors file ({e})"
             return answer("videos", model, _error(400, "malformed_body", msg), t0)
         z = tensors.get("latents")
-        if z is None or z.dim() != 5:
-            msg = "the safetensors body must hold 'latents' of shape (B, C, T, h, w)"
-            return answer("videos", model, _error(422, "invalid_value", msg), t0)
-        job = VideoJob(model=model, latents=z, fps=fps, mode=mode, denormalize=denormalize)
+        if z is None:
+            msg = f"the safetensors body holds {sorted(tensors)}, not 'latents'"
+            return answer("videos", model, _error(422, "invalid_value", msg, field="latents"), t0)
+        try:
+            job = worker.video_job(model, z, fps=fps, mode=mode, denormalize=denormalize)
+        except ArgumentError as e:
+            return answer("videos", model, _invalid(e), t0)
         out = await run(request, job)
         if isinstance(out, Response):
             return answer("videos", model, out, t0)
@@ -211,7 +312,14 @@ def create_app(worker: Worker) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": n, "object": "model"} for n in worker.names()]}
+        left_out = getattr(worker, "unavailable", {})
+        data = []
+        for n in worker.names():
+            entry: dict[str, Any] = {"id": n, "object": "model", "available": n not in left_out}
+            if n in left_out:
+                entry["reason"] = left_out[n]
+            data.append(entry)
+        return {"object": "list", "data": data}
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -246,9 +354,15 @@ def _status_html(s: dict[str, Any]) -> str:
     def gb(n: int) -> str:
         return f"{n / 1e9:.2f} GB"
 
+    left_out = s.get("unavailable", {})
     rows = "".join(
         f"<tr><td>{e(name)}</td><td>{e(', '.join(tiers))}</td></tr>"
         for name, tiers in s["models"].items()
+        if name not in left_out
+    )
+    rows += "".join(
+        f"<tr><td>{e(name)}</td><td><b>unavailable</b>: {e(why)}</td></tr>"
+        for name, why in left_out.items()
     )
     phases = sorted({p for r in s["recent"] for p in r["phases"]})
     head = "".join(f"<th>{e(p)} (s)</th>" for p in phases)

@@ -1,7 +1,13 @@
 """Prometheus metrics of one worker and of one embedding service (each its own registry:
-two in one process, as in the tests, never share counters)."""
+two in one process, as in the tests, never share counters).
+
+Label values never come from a request unchecked: a model name the worker does not serve
+is counted as ``"unknown"``, so clients cannot grow the number of series.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -38,6 +44,15 @@ class WorkerMetrics:
         self.tier_bytes = Gauge(
             "nostall_tier_bytes", "Weights resident per tier.", ["tier"], registry=r
         )
+
+    def answered(
+        self, endpoint: str, model: str, status: int, seconds: float, known: Collection[str]
+    ) -> None:
+        """Count one answer of ``endpoint`` for ``model`` (``"unknown"`` unless it is one
+        of ``known``, or ``"-"`` when the request named none)."""
+        label = model if model == "-" or model in known else "unknown"
+        self.requests.labels(endpoint, label, str(status)).inc()
+        self.latency.labels(endpoint).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,10 +1,12 @@
 """The generation worker: one thread that owns the GPU work, a bounded queue in front of it.
 
 HTTP handlers (:mod:`nostall.serve.app`) validate a request, :meth:`Worker.submit` it
-and wait on its future; the worker thread takes jobs in arrival order, switches
-pipelines through a :class:`~nostall.ModelCache` (while a job runs, the next queued
-job's pipeline is prefetched on the copy stream), runs the diffusers pipeline, and
-records where each request's time went:
+and wait on its future; the worker thread takes jobs in the order
+:mod:`nostall.serve.schedule` gives (pipelines already on the device first, no job
+overtaken or pushed back beyond a bound; like image jobs batched into one call when
+asked), switches pipelines through a :class:`~nostall.ModelCache` (while a batch runs,
+the next one's pipeline is prefetched on the copy stream), runs the diffusers
+pipeline, and records where each request's time went:
 
 ``queue``   waiting behind other requests;
 ``switch``  the cache's switch to the pipeline (``read``, ``copy``, ``build`` inside it,
@@ -14,18 +16,18 @@ records where each request's time went:
 ``decode``  Wan latents → MP4 through the asynchronous frame pipeline (video requests;
             the pipeline's VAE alone is loaded for them, and kept: ``switch`` is its load).
 
-A full queue refuses at once (:class:`QueueFull`, HTTP 429); a shutdown stops taking
-jobs, fails the queued ones (:class:`ShuttingDown`, HTTP 503), lets the running one
-finish, and closes the cache. A job whose client went away before it started is
+A full queue refuses at once (:class:`QueueFull`, HTTP 429, with the estimated wait
+for room); a shutdown stops taking jobs, fails the queued ones (:class:`ShuttingDown`,
+HTTP 503), lets the running one finish, and closes the cache. A job whose client went away before it started is
 skipped. A failing job fails its own future; the thread carries on.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import os
-import random
 import tempfile
 import threading
 import time
@@ -36,14 +38,24 @@ from typing import Any
 
 import torch
 
-from nostall.cache import ModelCache
+from nostall.cache import ModelCache, Store
+from nostall.cache.report import human_bytes
 from nostall.errors import (  # the job errors live in the one tree; imported here as before
     ArgumentError,
     Cancelled,
+    DeviceBusy,
+    LatentsError,
     NostallError,
     QueueFull,
     ShuttingDown,
 )
+from nostall.logs import LibraryWarningsOnce
+from nostall.serve.budget import DeviceBudget, is_out_of_memory, unfit, video_only
+from nostall.serve.calls import PhaseClock, batch_arguments, cat_embeds, image_kwargs, sync
+from nostall.serve.lineup import Lineup
+from nostall.serve.requests import Limits, RuleBook, check_image, check_video
+from nostall.serve.schedule import Policy
+from nostall.transfer.loader import resolve_device
 
 __all__ = [
     "ImageJob",
@@ -55,18 +67,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What a request may ask for (beyond these: HTTP 422 naming the field)."""
-
-    min_side: int = 16
-    max_side: int = 2048
-    max_steps: int = 150
-    max_prompt_chars: int = 4000
-    max_guidance: float = 50.0
-    max_latent_bytes: int = 512 << 20
 
 
 @dataclass
@@ -102,7 +102,7 @@ class Result:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False)  # identity: the scheduler keys its records by ticket
 class _Ticket:
     job: ImageJob | VideoJob
     future: Future
@@ -119,7 +119,22 @@ class Worker:
     ``max_queue``: jobs allowed to wait (the running one not counted). ``prepare``: at
     :meth:`start`, do the first switch's one-time work for every pipeline
     (:meth:`ModelCache.prepare`). ``prefetch``: move the next queued job's pipeline
-    while the current one runs.
+    while the current one runs. ``schedule``: how the queue may reorder and batch jobs
+    (:class:`~nostall.serve.schedule.Policy`: resident pipelines first within a fairness
+    bound; :mod:`nostall.serve.lineup` says what a batch shares).
+
+    Device memory: ``budget`` is this process's account of the device
+    (:class:`~nostall.serve.budget.DeviceBudget`, shared with an embedding service in
+    the same process, which claims its encoders first); without one the worker makes
+    its own, sized by ``reserve`` (activation bytes; default: measured peaks) and
+    ``external`` (bytes another process declared on this device). The model cache
+    takes ``gpu_budget`` bytes of it, or all that is left. A job that runs out of device
+    memory is run once more after the worker frees what it can; a second time it fails
+    with :class:`~nostall.errors.DeviceBusy` (HTTP 503), and the worker carries on.
+
+    :meth:`start` refuses (:class:`~nostall.BudgetExceeded`) a store holding a pipeline
+    whose job could never fit the device tier, naming it; a pipeline folder that cannot
+    be read is left out (``unavailable``: name → why) and the others are served.
     """
 
     def __init__(
@@ -136,14 +151,49 @@ class Worker:
         prefetch: bool = True,
         recent: int = 50,
         embed_url: str | None = None,
+        budget: DeviceBudget | None = None,
+        reserve: int | None = None,
+        external: int = 0,
+        schedule: Policy | None = None,
     ):
         from nostall.serve.metrics import WorkerMetrics
 
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise ArgumentError(f"max_queue={max_queue!r} must be a positive number of jobs")
-        self.cache = ModelCache(
-            models, device=device, gpu_budget=gpu_budget, host_budget=host_budget, dtype=dtype
-        )
+        store = Store.shared(models)
+        if budget is None:
+            index = store.index.path  # the peaks are remembered beside the digest index
+            budget = DeviceBudget(
+                device,
+                external=external,
+                reserve=reserve,
+                pipelines=store.names(),
+                cache_dir=os.path.dirname(index) if index else False,
+            )
+        elif reserve is not None or external:
+            raise ArgumentError(
+                "reserve and external size the budget a worker makes; with budget= given, "
+                "set them on that DeviceBudget"
+            )
+        elif budget.device != resolve_device(device):
+            raise ArgumentError(
+                f"the budget is {budget.device}'s and the worker runs on {device}; "
+                "give it the budget of its own device"
+            )
+        self.budget = budget
+        if gpu_budget is None:
+            gpu_budget = budget.claim_rest("model cache")
+        else:
+            budget.claim("model cache", gpu_budget)
+        try:
+            self.cache = ModelCache(
+                store, device=device, gpu_budget=gpu_budget, host_budget=host_budget, dtype=dtype
+            )
+        except BaseException:
+            budget.release("model cache")
+            raise
+        self.unavailable: dict[str, str] = {}  # pipelines left out at start, and why
+        self._quiet = LibraryWarningsOnce()
         self.device = self.cache.device
         self.limits = limits or Limits()
         self.max_queue = max_queue
@@ -151,10 +201,11 @@ class Worker:
         self.recent: deque[dict[str, Any]] = deque(maxlen=recent)
         self._prepare = prepare
         self._prefetch = prefetch
-        self._queue: deque[_Ticket] = deque()
+        self._queue: deque[_Ticket] = deque()  # arrival order; self._lineup orders the runs
+        self._lineup = Lineup(schedule or Policy(), self.cache, self._without)
         self._cond = threading.Condition()
         self._accepting = False
-        self._running: _Ticket | None = None
+        self._running: list[_Ticket] = []  # the batch running now
         self._thread: threading.Thread | None = None
         self._started_at = time.time()
         self._served = 0  # jobs executed, in order (only the worker thread counts)
@@ -175,10 +226,18 @@ class Worker:
     # ---- lifecycle ---------------------------------------------------------------
 
     def start(self) -> Worker:
+        """Check the pipelines against the device tier, prepare them, start the thread.
+        :class:`~nostall.BudgetExceeded` when a pipeline's job could never fit."""
         if self._thread is not None:
             return self
+        names = self._servable()
         if self._prepare:
-            self.cache.prepare(*self.cache.names())
+            self.cache.prepare()  # the device tier, the host tier's pinning, the copy stream
+            for name in names:
+                try:
+                    self.cache.prepare(name)
+                except Exception as e:  # one broken folder must not stop the others serving
+                    self._leave_out(name, e)
         self._accepting = True
         self._thread = threading.Thread(target=self._run, name="nostall-worker", daemon=True)
         self._thread.start()
@@ -201,9 +260,38 @@ class Worker:
                 log.warning("the running job did not finish within %.0f s of shutdown", timeout)
             self._thread = None
         self.cache.close()
+        self.budget.release("model cache")
+        self._quiet.remove()
         if self._embed_pool is not None:
             self._embed_pool.shutdown(wait=True)
             self._embed.close()
+
+    def _servable(self) -> list[str]:
+        """The pipelines to serve: a folder that cannot be read is left out; a job that
+        could never fit the device tier stops the start (:func:`~nostall.serve.budget.unfit`)."""
+        names, jobs = [], []
+        for name in self.cache.names():
+            try:
+                entry = self.cache.store.entry(name)
+                jobs.append((entry, self._job_leaves_out(entry)))
+            except (NostallError, OSError, ValueError) as e:
+                self._leave_out(name, e)
+                continue
+            names.append(name)
+        error = unfit(jobs, self.cache.stats().gpu_budget, self.cache.dtype, self.budget)
+        if error is not None:
+            raise error
+        return names
+
+    def _job_leaves_out(self, entry: Any) -> tuple[str, ...]:
+        """The weights components a job of ``entry`` runs without."""
+        if video_only(entry):
+            return tuple(c.role for c in entry.weights if c.role != "vae")
+        return self._remote_roles(entry.name)
+
+    def _leave_out(self, name: str, e: BaseException) -> None:
+        self.unavailable[name] = f"{type(e).__name__}: {e}"
+        log.warning("pipeline %s is left out: %s", name, self.unavailable[name])
 
     @property
     def ready(self) -> bool:
@@ -224,118 +312,171 @@ class Worker:
                 raise ShuttingDown("the worker is not taking jobs (starting or shutting down)")
             if len(self._queue) >= self.max_queue:
                 self.metrics.rejected.inc()
+                wait = self._lineup.retry_after()
                 raise QueueFull(
                     f"{len(self._queue)} requests are waiting (max_queue={self.max_queue}); "
-                    "retry later"
+                    f"retry in about {wait:.1f} s",
+                    retry_after=wait,
                 )
             self._queue.append(ticket)
+            self._lineup.add(ticket)
             self.metrics.queue_depth.set(len(self._queue))
             self._cond.notify_all()
-            running = self._running.job.model if self._running is not None else None
-            first_waiting = len(self._queue) == 1
-        if running is not None and first_waiting:
-            # it arrived while another job runs: move its pipeline in meanwhile
+            running = self._lineup.running
+        if running is not None:
+            # it arrived while a batch runs: the next batch's pipeline moves in meanwhile
             self._prefetch_next(running)
         return ticket.future, ticket.cancelled
 
+    @functools.cached_property
+    def rules(self) -> RuleBook:
+        """What each pipeline accepts (:mod:`nostall.serve.requests`), read from its configs."""
+        return RuleBook(self.cache.store, self.limits)
+
+    def _serving(self, kind: str) -> list[str]:
+        names = [n for n in self.names() if n not in getattr(self, "unavailable", {})]
+        return self.rules.serving(kind, names)
+
     def image_job(self, body: dict[str, Any]) -> ImageJob:
-        """An :class:`ImageJob` from an images/generations body (already JSON-parsed and
-        schema-checked); :class:`~nostall.ArgumentError` naming the field otherwise."""
-        lim = self.limits
-        size = str(body.get("size") or "1024x1024")
+        """An :class:`ImageJob` from an images/generations body (parsed JSON), checked
+        against its pipeline before it is queued (:func:`~nostall.serve.requests.check_image`):
+        :class:`~nostall.ArgumentError` naming the field and what it allows,
+        :class:`~nostall.UnknownModel` for a model the store lacks."""
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise ArgumentError("model: give a model name", field="model", allowed=self.names())
         try:
-            w, h = (int(v) for v in size.lower().split("x"))
-        except ValueError:
-            raise ArgumentError(f"size={size!r}: give WIDTHxHEIGHT, e.g. '1024x1024'") from None
-        for name, v in (("width", w), ("height", h)):
-            if not lim.min_side <= v <= lim.max_side or v % 8:
-                raise ArgumentError(
-                    f"size={size!r}: {name} {v} must be a multiple of 8 in "
-                    f"[{lim.min_side}, {lim.max_side}]"
-                )
-        steps = body.get("steps", 28)
-        if not 1 <= steps <= lim.max_steps:
-            raise ArgumentError(f"steps={steps}: must be in [1, {lim.max_steps}]")
-        prompt = body["prompt"]
-        if not prompt.strip() or len(prompt) > lim.max_prompt_chars:
-            raise ArgumentError(
-                f"prompt of {len(prompt)} characters: give 1 to {lim.max_prompt_chars}"
-            )
-        guidance = body.get("guidance")
-        if guidance is not None and not 0.0 <= guidance <= lim.max_guidance:
-            raise ArgumentError(f"guidance={guidance}: must be in [0, {lim.max_guidance}]")
-        seed = body.get("seed")
-        if seed is None:
-            seed = random.randrange(2**31)
-        elif not 0 <= seed < 2**63:
-            raise ArgumentError(f"seed={seed}: must be in [0, 2**63)")
-        return ImageJob(
-            model=body["model"],
-            prompt=prompt,
-            width=w,
-            height=h,
-            steps=steps,
-            seed=seed,
-            guidance=guidance,
-            negative_prompt=body.get("negative_prompt"),
-            max_sequence_length=body.get("max_sequence_length"),
-        )
+            fields = check_image(body, self.rules.image(model), self.limits)
+        except ArgumentError as e:
+            if e.field == "model":
+                e.allowed = self._serving("image")
+            raise
+        return ImageJob(model=model, **fields)
+
+    def video_job(
+        self,
+        model: str,
+        latents: torch.Tensor,
+        *,
+        fps: float = 16.0,
+        mode: str = "eager",
+        denormalize: bool = False,
+    ) -> VideoJob:
+        """A :class:`VideoJob` decoding ``latents`` (B, C, T, h, w) with ``model``'s VAE,
+        checked before it is queued (:func:`~nostall.serve.requests.check_video`: a Wan
+        VAE, one video of the VAE's channels, finite, within the frame and pixel caps):
+        :class:`~nostall.ArgumentError` naming the field and what it allows."""
+        try:
+            check_video(latents, self.rules.video(model), self.limits, fps=fps, mode=mode)
+        except ArgumentError as e:
+            if e.field == "model":
+                e.allowed = self._serving("video")
+            raise
+        return VideoJob(model, latents, float(fps), mode, bool(denormalize))
 
     # ---- the thread ------------------------------------------------------------------
 
-    def _next(self) -> _Ticket | None:
-        with self._cond:
-            while not self._queue and self._accepting:
-                self._cond.wait()
-            if not self._queue:
-                return None
-            t = self._queue.popleft()
-            self.metrics.queue_depth.set(len(self._queue))
-            self._running = t
-            return t
+    def _next(self) -> list[_Ticket]:
+        """The next batch (empty once the worker takes no jobs and none are left)."""
+        while True:
+            with self._cond:
+                while not self._queue and self._accepting:
+                    self._cond.wait()
+                if not self._queue:
+                    return []
+                wanted = self._lineup.wanted()
+            resident = self._lineup.resident(wanted)  # asks the cache: not under our lock
+            with self._cond:
+                batch = self._lineup.take(self._queue, resident)
+                self.metrics.queue_depth.set(len(self._queue))
+                self._running = batch
+                if batch:  # (else every client left, or a shutdown took the queue)
+                    return batch
 
     def _run(self) -> None:
         while True:
-            t = self._next()
-            if t is None:
+            batch = self._next()
+            if not batch:
                 return
+            began, results = time.perf_counter(), []
             try:
-                if t.cancelled.is_set() or not t.future.set_running_or_notify_cancel():
-                    if not t.future.done():
-                        t.future.set_exception(Cancelled("the client went away"))
-                    continue
-                self._prefetch_next(t.job.model)
-                try:
-                    result = self._execute(t)
-                except BaseException as e:  # the thread carries on; the job fails
-                    log.exception("job for %s failed", t.job.model)
-                    t.future.set_exception(e)
-                else:
-                    t.future.set_result(result)
+                live = [t for t in batch if _begin(t)]
+                if live:
+                    self._prefetch_next(self._lineup.running)
+                    if len(live) == 1:
+                        results = [self._finish(live[0])]
+                    else:
+                        results = self._execute_batch(live)
             finally:
                 with self._cond:
-                    self._running = None
+                    self._lineup.done(time.perf_counter() - began, [r for r in results if r])
+                    self._running = []
 
-    def _prefetch_next(self, current: str) -> None:
+    def _finish(self, t: _Ticket) -> Result | None:
+        """Run one job and settle its future: its result, or ``None`` if it failed."""
+        try:
+            result = self._execute(t)
+        except BaseException as e:  # the thread carries on; the job fails
+            if isinstance(e, (ValueError, LatentsError)):  # the request's fault: a 4xx
+                log.info("job for %s refused: %s", t.job.model, e)
+            else:
+                log.exception("job for %s failed", t.job.model)
+            t.future.set_exception(e)
+            return None
+        t.future.set_result(result)
+        return result
+
+    def _prefetch_next(self, current: str | None) -> None:
+        """Move in the pipeline the next batch would switch to, while this one runs."""
         if not self._prefetch:
             return
         with self._cond:
-            nxt = next((q.job for q in self._queue if not q.cancelled.is_set()), None)
-        if nxt is not None and nxt.model != current:
+            wanted = self._lineup.wanted()
+        resident = self._lineup.resident(wanted) | {current}
+        with self._cond:
+            nxt = self._lineup.predict(resident)
+        if nxt is not None:
             try:
-                without = self._without(nxt)
-            except ArgumentError:
-                return  # that job fails when it runs
-            fut = self.cache.prefetch(nxt.model, without=without)
-            fut.add_done_callback(_log_prefetch_failure)
+                fut = self.cache.prefetch(nxt[0], without=nxt[1])
+            except NostallError as e:  # (closed at shutdown): the job says it when it runs
+                log.info("prefetch of %s did not start: %s", nxt[0], e)
+            else:
+                fut.add_done_callback(_log_prefetch_failure)
+
+    def _execute_batch(self, batch: list[_Ticket]) -> list[Result | None]:
+        """Like image jobs as one pipeline call (:mod:`nostall.serve.lineup`), each its
+        own image. If the call fails, each job runs alone: its own error, or its own
+        out-of-memory retry (and after running out of memory, that shape runs alone)."""
+        start = time.perf_counter()
+        self._quiet.install()
+        jobs = [t.job for t in batch]
+        first = jobs[0]
+        try:
+            with self.budget.measure(first.model, f"{first.width}x{first.height} b{len(jobs)}"):
+                results = self._images(jobs, start)
+        except Exception as e:
+            if is_out_of_memory(e):
+                with self._cond:
+                    self._lineup.alone()
+            log.warning("a batch of %d %s jobs failed (%s: %s); running them one by one",
+                        len(jobs), first.model, type(e).__name__, e)  # fmt: skip
+            results = None
+        if results is None:
+            # Outside the handler: its traceback's frames held the failed batch's tensors,
+            # which the single runs (and their out-of-memory retry) need freed.
+            return [self._finish(t) for t in batch]
+        for t, result in zip(batch, results, strict=True):
+            t.future.set_result(self._account(t, result, start))
+        return results
 
     def _execute(self, t: _Ticket) -> Result:
         start = time.perf_counter()
+        self._quiet.install()  # (again each job: it reaches handlers added since)
+        return self._account(t, self._attempt(t.job, start), start)
+
+    def _account(self, t: _Ticket, result: Result, start: float) -> Result:
+        """Book a finished job (begun at ``start``): its order, phases, metrics, log line."""
         queue_s = start - t.arrived
-        if isinstance(t.job, VideoJob):
-            result = self._video(t.job, start)
-        else:
-            result = self._image(t.job, start)
         self._served += 1
         result.info["order"] = self._served
         result.phases = {"queue": queue_s, **result.phases}
@@ -357,7 +498,41 @@ class Worker:
                 "tiers": sorted({c["tier"] for c in result.switch.get("components", [])}),
             }
         )
+        log.info("%s", _job_line(t.job, result))
         return result
+
+    def _attempt(self, job: ImageJob | VideoJob, start: float) -> Result:
+        """Run ``job``, its activation peak measured into the budget. Out of device
+        memory: free what can be freed and run it once more; out again:
+        :class:`DeviceBusy`. (The cache's GPU tier is one allocation: evicting from it
+        frees no device memory, so nothing is evicted. What a failed attempt held is
+        garbage once its frames are gone, and torch's cached blocks can be given back.)"""
+        run = self._video if isinstance(job, VideoJob) else self._image
+        pipeline, shape = _activation_key(job)
+        try:
+            with self.budget.measure(pipeline, shape):
+                return run(job, start)
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            log.warning("%s at %s ran out of device memory (%s); once more", pipeline, shape, first)
+        # outside the handler: the failed attempt's frames, and their tensors, are garbage
+        self.budget.memory.release()
+        try:
+            with self.budget.measure(pipeline, shape):
+                return run(job, start)
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            wait = min(30, max(1, round(time.perf_counter() - start)))
+            raise DeviceBusy(
+                f"{pipeline} at {shape} ran out of device memory twice ({first}); retry in "
+                f"{wait} s. The next start reserves what it reached (this process's device "
+                f"budget: {self.budget.describe()}); or give the worker a larger activation "
+                "reserve (--activation-reserve-gb)",
+                retry_after=wait,
+            ) from e.with_traceback(None)  # its frames hold the attempt's tensors
 
     def _switch_report(self, name: str) -> dict[str, Any]:
         for r in reversed(self.cache.reports):
@@ -432,20 +607,48 @@ class Worker:
             buf.getvalue(), "image/png", phases, report, {"seed": job.seed, "size": image.size}
         )
 
-    def _generate(self, pipe: Any, job: ImageJob, embeds: dict[str, torch.Tensor] | None):
+    def _images(self, jobs: list[ImageJob], start: float) -> list[Result]:
+        """:meth:`_image` for like jobs, in one pipeline call. The embedding service's
+        failure fails the batch (its jobs then run alone, and encode locally)."""
+        roles = self._without(jobs[0])
+        remote = [self._embed_pool.submit(self._remote_embeds, j) for j in jobs] if roles else []
+        with self.cache.use(jobs[0].model, without=roles) as pipe:
+            switched = time.perf_counter()
+            report = self._switch_report(jobs[0].model)
+            embeds = cat_embeds([f.result()[0] for f in remote]) if remote else None
+            text_wait = time.perf_counter() - switched
+            images, clock, done = self._generate(pipe, jobs, embeds)
+        phases = {"switch": switched - start, **_switch_phases(report), **clock.phases(done)}
+        if embeds is not None:
+            phases["text"] = text_wait
+        results = []
+        for job, image in zip(jobs, images, strict=True):
+            buf = io.BytesIO()
+            image.save(buf, format="PNG")
+            info = {"seed": job.seed, "size": image.size, "batch": len(jobs)}
+            results.append(Result(buf.getvalue(), "image/png", dict(phases), report, info))
+        return results
+
+    def _generate(
+        self, pipe: Any, job: ImageJob | list[ImageJob], embeds: dict[str, torch.Tensor] | None
+    ):
         """Run ``pipe`` for ``job`` (with ``embeds`` in place of the prompts, if given):
-        the image, the phase clock, and when it finished."""
+        the image, the phase clock, and when it finished. For a list of like jobs: one
+        call, their images in order."""
         from nostall.serve.prompts import apply
 
-        clock = _PhaseClock(pipe, self.device)
+        clock = PhaseClock(pipe, self.device)
         try:
-            kwargs = image_kwargs(pipe, job, self.device)
+            jobs = job if isinstance(job, list) else [job]
+            kwargs = image_kwargs(pipe, jobs[0], self.device)
+            if len(jobs) > 1:
+                kwargs.update(batch_arguments(jobs, self.device))
             if embeds is not None:
                 apply(kwargs, embeds, pipe, self.device)
             with torch.inference_mode():
-                image = pipe(**kwargs).images[0]
-            _sync(self.device)
-            return image, clock, time.perf_counter()
+                images = pipe(**kwargs).images
+            sync(self.device)
+            return images if isinstance(job, list) else images[0], clock, time.perf_counter()
         finally:
             clock.remove()
 
@@ -494,7 +697,8 @@ class Worker:
         stats = self.cache.stats()
         with self._cond:
             waiting = [t.job.model for t in self._queue]
-            running = self._running.job.model if self._running else None
+            running = self._running[0].job.model if self._running else None
+            batch = len(self._running)
         resident: dict[str, set[str]] = {}
         for comp in stats.components.values():
             for p in comp["pipelines"]:
@@ -513,44 +717,30 @@ class Worker:
                 for name in self.names()
             },
             "running": running,
+            "running_batch": batch,
             "queue": waiting,
             "recent": list(self.recent),
+            "budget": self.budget.status(),
+            "unavailable": dict(self.unavailable),
         }
 
 
-def image_kwargs(pipe: Any, job: ImageJob, device: torch.device) -> dict[str, Any]:
-    """The pipeline call for ``job``: diffusers' own arguments, a generator seeded on the
-    pipeline's device as a user would seed it, PIL output."""
-    import inspect
+def _activation_key(job: ImageJob | VideoJob) -> tuple[str, str]:
+    """``(pipeline, shape)``: what a job's activation peak depends on, for the budget."""
+    if isinstance(job, VideoJob):
+        b, _, t, h, w = job.latents.shape  # (B, C, T, h, w)
+        return job.model, f"video {t}x{h}x{w} b{b} {job.mode}"
+    return job.model, f"{job.width}x{job.height} b1"
 
-    params: Any = {}
-    for cls in type(pipe).__mro__:  # the pipeline's own __call__ (the cache wraps it)
-        call = cls.__dict__.get("__call__")
-        if call is not None:
-            params = inspect.signature(call).parameters
-            if "prompt" in params:
-                break
-    kwargs: dict[str, Any] = {
-        "prompt": job.prompt,
-        "height": job.height,
-        "width": job.width,
-        "num_inference_steps": job.steps,
-        "generator": torch.Generator(device=device.type).manual_seed(job.seed),
-        "output_type": "pil",
-    }
-    if job.guidance is not None:
-        kwargs["guidance_scale"] = job.guidance
-    if job.negative_prompt is not None:
-        if "negative_prompt" not in params:
-            raise ArgumentError(f"{type(pipe).__name__} takes no negative_prompt")
-        kwargs["negative_prompt"] = job.negative_prompt
-    if job.max_sequence_length is not None:
-        if "max_sequence_length" not in params:
-            raise ArgumentError(f"{type(pipe).__name__} takes no max_sequence_length")
-        kwargs["max_sequence_length"] = job.max_sequence_length
-    if hasattr(pipe, "set_progress_bar_config"):
-        pipe.set_progress_bar_config(disable=True)
-    return kwargs
+
+def _job_line(job: ImageJob | VideoJob, result: Result) -> str:
+    """One log line per job: what its switch moved and from where, and every phase."""
+    comps = result.switch.get("components", [])
+    tiers = ", ".join(f"{c['role']}={c['tier']}" for c in comps) or "nothing switched"
+    moved = human_bytes(result.switch.get("moved_bytes", 0))
+    phases = ", ".join(f"{k} {v:.3f}" for k, v in result.phases.items())
+    _, shape = _activation_key(job)
+    return f"{job.model} {shape}: switch moved {moved} ({tiers}); {phases} s"
 
 
 def _switch_phases(report: dict[str, Any]) -> dict[str, float]:
@@ -562,83 +752,16 @@ def _switch_phases(report: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _begin(t: _Ticket) -> bool:
+    """Mark ``t`` running; ``False`` (its future failed) if its client left first."""
+    if t.cancelled.is_set() or not t.future.set_running_or_notify_cancel():
+        if not t.future.done():
+            t.future.set_exception(Cancelled("the client went away"))
+        return False
+    return True
 
 
 def _log_prefetch_failure(fut: Future) -> None:
     e = fut.exception()
     if e is not None:
         log.info("prefetch did not run: %s", e)
-
-
-class _PhaseClock:
-    """Text-encoder time and the denoising span of one pipeline call, from forward hooks.
-
-    On CUDA the hooks record events on the current stream (no synchronisation inside
-    the call: the GPU's queue keeps running) and :meth:`phases` reads them after the
-    caller's one synchronisation at the end; elsewhere they read the clock."""
-
-    _TEXT = ("text_encoder", "text_encoder_2", "text_encoder_3")
-    _DENOISE = ("transformer", "unet")
-
-    def __init__(self, pipe: Any, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.start_s = time.perf_counter()
-        self.start = self._mark()
-        self.text: list[tuple[Any, Any]] = []  # (begin, end) marks per encoder call
-        self.first: Any = None
-        self.last: Any = None
-        self._open: Any = None
-        self._hooks = []
-        for name in self._TEXT:
-            m = getattr(pipe, name, None)
-            if isinstance(m, torch.nn.Module):
-                self._hooks.append(m.register_forward_pre_hook(self._text_in))
-                self._hooks.append(m.register_forward_hook(self._text_out))
-        for name in self._DENOISE:
-            m = getattr(pipe, name, None)
-            if isinstance(m, torch.nn.Module):
-                self._hooks.append(m.register_forward_pre_hook(self._denoise_in))
-                self._hooks.append(m.register_forward_hook(self._denoise_out))
-
-    def _mark(self) -> Any:
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def _between(self, a: Any, b: Any) -> float:
-        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
-
-    def _text_in(self, module, args) -> None:
-        self._open = self._mark()
-
-    def _text_out(self, module, args, out) -> None:
-        self.text.append((self._open, self._mark()))
-
-    def _denoise_in(self, module, args) -> None:
-        if self.first is None:
-            self.first = self._mark()
-
-    def _denoise_out(self, module, args, out) -> None:
-        self.last = self._mark()
-
-    def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-
-    def phases(self, done: float) -> dict[str, float]:
-        """``done``: the clock after the call and a synchronisation."""
-        text = sum(self._between(a, b) for a, b in self.text)
-        if self.first is None or self.last is None:
-            return {"text": text, "denoise": 0.0, "decode": done - self.start_s}
-        to_last = self._between(self.start, self.last)
-        return {
-            "text": text,
-            "denoise": self._between(self.first, self.last),
-            "decode": max(0.0, (done - self.start_s) - to_last),
-        }
