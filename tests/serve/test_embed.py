@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import logging
 import threading
 import time
@@ -111,18 +112,330 @@ def test_the_cache_keeps_to_its_byte_budget(store):
 @pytest.mark.parametrize(
     "body, status, says",
     [
-        ({"encoder": "flux/text_encoder_9", "texts": ["x"]}, 404, "no text encoder"),
         ({"encoder": "flux/text_encoder_2", "texts": ["x"], "max_length": 0}, 422, "max_length"),
         ({"encoder": "flux/text_encoder_2", "texts": []}, 422, "texts"),
-        ({"texts": ["x"]}, 400, "expected"),
+        ({"texts": ["x"]}, 422, "encoder: Field required"),
+        ({"encoder": "flux/text_encoder_2", "texts": ["x"], "max_lenght": 8}, 422, "max_lenght"),
+        ({"encoder": "flux/text_encoder_2", "texts": ["\ud800"]}, 422, "lone surrogate"),
+        ([1, 2], 422, "body"),
+        ("[" * 100_000, 400, "not JSON"),  # nested past Python's recursion limit
     ],
 )
 def test_bad_embedding_requests_are_clear(embed, body, status, says):
     server, _ = embed()
-    r = httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=30)
+    # json.dumps, not httpx's json=: it escapes a lone surrogate as a client may send it
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{server.url}/v1/embeddings", content=content, timeout=30)
     assert r.status_code == status and says in r.json()["error"]["message"]
     ok = {"encoder": "flux/text_encoder_2", "texts": ["x"], "max_length": 8}
     assert httpx.post(f"{server.url}/v1/embeddings", json=ok, timeout=30).status_code == 200
+
+
+def test_an_unknown_encoder_is_named_as_asked(embed):
+    server, service = embed()
+    r = httpx.post(f"{server.url}/v1/embeddings",
+                   json={"encoder": "flux/text_encoder_9", "texts": ["x"]}, timeout=30)  # fmt: skip
+    error = r.json()["error"]
+    assert r.status_code == 404 and "'flux/text_encoder_9'" in error["message"]
+    assert error["encoder"] == "flux/text_encoder_9" and error["encoders"] == service.names()
+    assert "flux/text_encoder_2" in error["close"]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("max_length", "16"), ("max_length", 16.9), ("max_length", 16.0), ("max_length", True),
+     ("hidden_layer", "-2"), ("hidden_layer", False)],
+)  # fmt: skip
+def test_lengths_and_layers_are_integers_not_strings_floats_or_booleans(embed, field, value):
+    server, service = embed()
+    body = {"encoder": "sdxl/text_encoder_2", "texts": ["x"], field: value}
+    r = httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=30)
+    error = r.json()["error"]
+    assert r.status_code == 422 and error["field"] == field and field in error["message"]
+    assert service.stats()["texts_encoded"] == 0
+
+
+@pytest.mark.parametrize("max_length", [33, 77, 10_000])
+def test_a_length_past_the_encoders_positions_is_422_before_it_is_loaded(embed, max_length):
+    # CLIP here has 32 position embeddings; 33 used to index past them: a 500 (on a GPU, a
+    # device-side assert that ended the process)
+    server, service = embed()
+    body = {"encoder": "flux/text_encoder", "texts": ["x"], "max_length": max_length}
+    r = httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=30)
+    error = r.json()["error"]
+    assert r.status_code == 422, r.text
+    assert f"max_length={max_length}" in error["message"] and "1..32" in error["message"]
+    assert error["field"] == "max_length" and error["allowed"] == {"min": 1, "max": 32}
+    assert not service.stats()["encoders"]["flux/text_encoder"]  # refused before loading
+    ok = dict(body, max_length=32)
+    assert httpx.post(f"{server.url}/v1/embeddings", json=ok, timeout=30).status_code == 200
+
+
+def test_an_encoders_value_error_is_422_and_fails_only_its_own_text(store, monkeypatch):
+    # token_budget of two texts: the two requests below close one batch together
+    from nostall.errors import ArgumentError
+    from nostall.serve.embed import EmbeddingService
+
+    service = EmbeddingService(store, device="cpu", token_budget=2 * 8, max_wait_s=60).start()
+    try:
+        service.encode("flux/text_encoder_2", ["warm"], 8)
+        t5 = service._by_name["flux/text_encoder_2"].module
+        bad = service._by_name["flux/text_encoder_2"].tokenizer(["bad"], max_length=8,
+              padding="max_length", truncation=True, return_tensors="pt").input_ids  # fmt: skip
+        forward = t5.forward
+
+        def refuses(input_ids, **kw):
+            if (input_ids == bad).all(dim=1).any():
+                raise ValueError("this encoder will not take that text")
+            return forward(input_ids, **kw)
+
+        monkeypatch.setattr(t5, "forward", refuses)
+        good = service.submit("flux/text_encoder_2", ["good"], 8)
+        refused = service.submit("flux/text_encoder_2", ["bad"], 8)
+        assert good.result(60)[0]["last_hidden_state"].shape == (1, 8, 32)
+        with pytest.raises(ArgumentError, match="will not take") as info:
+            refused.result(60)
+        assert info.value.field == "texts"
+    finally:
+        service.shutdown()
+
+
+@pytest.mark.parametrize(
+    "error, status",
+    [(ValueError("this encoder will not take that text"), 422),
+     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), 503)],
+    ids=["value-error", "out-of-memory"],
+)  # fmt: skip
+def test_an_encoders_error_at_run_time_is_answered_by_kind(embed, monkeypatch, error, status):
+    server, service = embed()
+    body = {"encoder": "flux/text_encoder_2", "texts": ["x"], "max_length": 8}
+    assert httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=30).status_code == 200
+    t5 = service._by_name["flux/text_encoder_2"].module
+
+    def fails(input_ids, **kw):
+        raise error
+
+    monkeypatch.setattr(t5, "forward", fails)
+    r = httpx.post(f"{server.url}/v1/embeddings", json=dict(body, texts=["y"]), timeout=30)
+    assert r.status_code == status and str(error) in r.json()["error"]["message"]
+    if status == 503:
+        assert int(r.headers["retry-after"]) >= 1
+    monkeypatch.undo()
+    again = httpx.post(f"{server.url}/v1/embeddings", json=dict(body, texts=["y"]), timeout=30)
+    assert again.status_code == 200  # the batching thread carried on
+
+
+def _wait_for(condition, what: str, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_a_full_queue_is_429_with_a_retry_after(embed, monkeypatch):
+    server, service = embed(max_queue=4, max_texts=4)
+    url = f"{server.url}/v1/embeddings"
+    warm = {"encoder": "flux/text_encoder_2", "texts": ["warm"], "max_length": 8}
+    assert httpx.post(url, json=warm, timeout=30).status_code == 200
+    t5 = service._by_name["flux/text_encoder_2"].module
+    forward, entered, gate = t5.forward, threading.Event(), threading.Event()
+
+    def held(input_ids, **kw):  # the encoder is busy until the test lets it go
+        entered.set()
+        assert gate.wait(60)
+        return forward(input_ids, **kw)
+
+    monkeypatch.setattr(t5, "forward", held)
+    answers = {}
+
+    def post(name, texts):
+        body = {"encoder": "flux/text_encoder_2", "texts": texts, "max_length": 8}
+        answers[name] = httpx.post(url, json=body, timeout=60).status_code
+
+    running = threading.Thread(target=post, args=("running", ["a"]))
+    running.start()
+    try:
+        assert entered.wait(30)
+        queued = threading.Thread(target=post, args=("queued", ["b", "c", "d", "e"]))
+        queued.start()
+        _wait_for(lambda: service.stats()["queue"]["texts"] == 4, "four texts queued")
+        r = httpx.post(url, json=dict(warm, texts=["f"]), timeout=30)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "queue_full"
+        assert 1 <= int(r.headers["retry-after"]) <= 60
+        cached = httpx.post(url, json=warm, timeout=30)  # nothing to queue: served at once
+        assert cached.status_code == 200 and cached.headers["x-nostall-cache-hits"] == "1"
+    finally:
+        gate.set()
+        running.join(60)
+    queued.join(60)
+    assert answers == {"running": 200, "queued": 200}
+
+
+def test_retry_after_follows_the_recent_texts_per_second(store):
+    from nostall.errors import ArgumentError
+    from nostall.serve.embed import EmbeddingService
+
+    service = EmbeddingService(store, device="cpu", max_queue=10, max_texts=10)
+    assert service.retry_after(5) == 1  # nothing measured yet
+    service._rate.add(4, 2.0)  # 2 texts/s
+    with service._cond:
+        service._queue.extend([None] * 10)
+    assert service.retry_after(7) == 4  # 7 texts past the cap at 2 texts/s
+    assert service.retry_after(500) == 60  # capped
+    with pytest.raises(ArgumentError, match="max_queue=2 < max_texts=4"):
+        EmbeddingService(store, device="cpu", max_queue=2, max_texts=4)
+
+
+def test_the_cache_counts_keys_so_long_unique_texts_stay_within_budget(store):
+    # 40 unique texts of 8,000 characters under a 64 KiB budget: the keys alone (the
+    # texts) used to be 320 KB kept past it, uncounted
+    import gc
+    import tracemalloc
+
+    from nostall.serve.embed import EmbeddingService
+
+    budget = 64 << 10
+    service = EmbeddingService(store, device="cpu", cache_bytes=budget).start()
+    try:
+        service.encode("flux/text_encoder_2", ["warm"], 16)
+        gc.collect()
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(40):
+            service.encode("flux/text_encoder_2", [f"{i:04d}" + "x" * 7996], 16)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        assert service.cache.bytes <= service.cache.budget
+        assert 1 < len(service.cache) < 40
+        assert grown < budget  # what the process kept (Python objects; tensors are not traced)
+    finally:
+        service.shutdown()
+
+
+def test_a_text_over_the_character_cap_is_422_naming_the_cap(embed):
+    server, service = embed(max_text_chars=100)
+    body = {"encoder": "flux/text_encoder_2", "texts": ["ok", "x" * 101], "max_length": 8}
+    r = httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=30)
+    error = r.json()["error"]
+    assert r.status_code == 422 and error["field"] == "texts"
+    assert "texts[1]: 101 characters" in error["message"] and "at most 100" in error["message"]
+    assert service.stats()["texts_encoded"] == 0
+    ok = dict(body, texts=["x" * 100])
+    assert httpx.post(f"{server.url}/v1/embeddings", json=ok, timeout=30).status_code == 200
+
+
+def test_a_slow_tokenization_holds_up_no_other_request(embed):
+    # a request of long texts is tokenized in its own thread, not in the batching thread
+    # that every encoder shares
+    server, service = embed()
+    url = f"{server.url}/v1/embeddings"
+    for encoder in ("flux/text_encoder", "flux/text_encoder_2"):
+        body = {"encoder": encoder, "texts": ["warm"], "max_length": 8}
+        assert httpx.post(url, json=body, timeout=30).status_code == 200
+    t5 = service._by_name["flux/text_encoder_2"]
+    tokenizer, entered, gate = t5.tokenizer, threading.Event(), threading.Event()
+
+    def slow(texts, **kw):
+        if any(t.startswith("long") for t in texts):
+            entered.set()
+            assert gate.wait(60)
+        return tokenizer(texts, **kw)
+
+    t5.tokenizer = slow
+    answers = {}
+
+    def post_long():
+        body = {"encoder": "flux/text_encoder_2", "texts": ["long " * 1000], "max_length": 8}
+        answers["long"] = httpx.post(url, json=body, timeout=60).status_code
+
+    long = threading.Thread(target=post_long)
+    long.start()
+    try:
+        assert entered.wait(30)
+        for encoder in ("flux/text_encoder", "flux/text_encoder_2"):
+            body = {"encoder": encoder, "texts": ["short"], "max_length": 8}
+            assert httpx.post(url, json=body, timeout=10).status_code == 200
+        assert "long" not in answers
+    finally:
+        gate.set()
+        long.join(60)
+        t5.tokenizer = tokenizer
+    assert answers == {"long": 200}
+
+
+def test_a_token_guards_the_service_but_not_its_probes(store):
+    from nostall.serve.embed import EmbeddingService, create_embed_app
+
+    service = EmbeddingService(store, device="cpu")
+    with Server(create_embed_app(service, api_token="s3cret")) as server:
+        body = {"encoder": "flux/text_encoder_2", "texts": ["x"], "max_length": 8}
+        url = f"{server.url}/v1/embeddings"
+        assert httpx.post(url, json=body, timeout=30).status_code == 401
+        wrong = {"Authorization": "Bearer nope"}
+        assert httpx.post(url, json=body, headers=wrong, timeout=30).status_code == 401
+        assert httpx.get(f"{server.url}/stats").status_code == 401
+        assert httpx.get(f"{server.url}/healthz").status_code == 200
+        right = {"Authorization": "Bearer s3cret"}
+        assert httpx.post(url, json=body, headers=right, timeout=30).status_code == 200
+    assert service.stats()["texts_encoded"] == 1
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(embed, store):
+    import socket
+
+    from nostall.serve.embed import EmbeddingService, create_embed_app
+
+    service = EmbeddingService(store, device="cpu")
+    with Server(create_embed_app(service, max_body_bytes=1000)) as server:
+        big = {"encoder": "flux/text_encoder_2", "texts": ["x" * 2000], "max_length": 8}
+        r = httpx.post(f"{server.url}/v1/embeddings", json=big, timeout=30)
+        assert r.status_code == 413 and "at most 1000" in r.json()["error"]["message"]
+        # a client announcing 1 GB gets its answer without sending a byte of it
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+            s.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n")  # fmt: skip
+            assert s.recv(4096).startswith(b"HTTP/1.1 413")
+    # by default, the most texts of the longest text pass, escaped as json.dumps does
+    server, _ = embed(max_texts=2, max_text_chars=1000)
+    full = {"encoder": "flux/text_encoder_2", "texts": ["\u00e9" * 1000] * 2, "max_length": 8}
+    r = httpx.post(f"{server.url}/v1/embeddings", content=json.dumps(full), timeout=30)
+    assert r.status_code == 200, r.text
+    huge = dict(full, texts=["x" * 200_000])  # past the body's cap: not read to be refused
+    r = httpx.post(f"{server.url}/v1/embeddings", content=json.dumps(huge), timeout=30)
+    assert r.status_code == 413
+
+
+def test_embed_server_takes_a_token_and_warns_when_exposed_without_one(store, monkeypatch, caplog):
+    import uvicorn
+    from typer.testing import CliRunner
+
+    from nostall.cli import app
+
+    started = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, *a, **kw: started.append(self.config))
+    monkeypatch.delenv("NOSTALL_API_TOKEN", raising=False)
+    args = ["embed-server", "--models", str(store), "--device", "cpu", "--max-queue", "512",
+            "--max-text-chars", "4000"]  # fmt: skip
+
+    def warned(*extra, env=None) -> bool:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="nostall.serve.http"):
+            r = CliRunner().invoke(app, [*args, *extra], env=env)
+        assert r.exit_code == 0, r.output
+        said = [m for m in caplog.messages if "without a token" in m]
+        assert len(said) <= 1, said  # once, not once per check
+        return bool(said)
+
+    assert warned("--host", "0.0.0.0")
+    assert not warned("--host", "0.0.0.0", env={"NOSTALL_API_TOKEN": "t0k"})
+    assert not warned("--host", "0.0.0.0", "--api-token", "t0k")
+    assert not warned()  # loopback
+    assert len(started) == 4 and started[0].host == "0.0.0.0"
+    r = CliRunner().invoke(app, [*args, "--max-queue", "0"])
+    assert r.exit_code == 2 and "max-queue" in r.output
+    r = CliRunner().invoke(app, [*args, "--api-token", " t0k "])  # checked before the store
+    assert r.exit_code == 2 and "token" in r.output and len(started) == 4
 
 
 def test_the_client_retries_then_says_unavailable():
