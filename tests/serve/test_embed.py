@@ -178,7 +178,7 @@ def test_an_encoders_value_error_is_422_and_fails_only_its_own_text(store, monke
 
     service = EmbeddingService(store, device="cpu", token_budget=2 * 8, max_wait_s=60).start()
     try:
-        service.encode("flux/text_encoder_2", ["warm"], 8)
+        service.encode("flux/text_encoder_2", ["warm", "up"], 8)  # a full batch: no wait
         t5 = service._by_name["flux/text_encoder_2"].module
         bad = service._by_name["flux/text_encoder_2"].tokenizer(["bad"], max_length=8,
               padding="max_length", truncation=True, return_tensors="pt").input_ids  # fmt: skip

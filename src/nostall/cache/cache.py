@@ -43,7 +43,7 @@ import torch
 from nostall.cache import placement
 from nostall.cache.device import DeviceTier, Slot
 from nostall.cache.holds import Hold, Holds
-from nostall.cache.host import HostTier, store_bytes
+from nostall.cache.host import HostTier, cpu_tier_bytes, store_bytes
 from nostall.cache.modules import Instance, Instances
 from nostall.cache.moves import Move, issue
 from nostall.cache.pipelines import Pipelines
@@ -126,8 +126,8 @@ class ModelCache:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
                 gpu_budget = int(free * 0.8)
-            else:
-                gpu_budget = limit // 4
+            else:  # ordinary memory, committed at the first switch: what the store needs
+                gpu_budget = cpu_tier_bytes(self.store, limit // 4)
         self._tier = DeviceTier(self.device, gpu_budget)
         self._host = HostTier(host_budget or store_bytes(self.store, limit // 2), self.device)
         self._own_loader = loader is None

@@ -26,7 +26,7 @@ from nostall.errors import NostallError
 from nostall.memory.pool import PinnedPool, size_class
 from nostall.transfer.plan import LoadPlan
 
-__all__ = ["HostTier", "store_bytes"]
+__all__ = ["HostTier", "cpu_tier_bytes", "store_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,13 @@ def store_bytes(store: Store, cap: int) -> int:
         except NostallError as e:
             log.warning("sizing the host tier: pipeline %r left out: %s", name, e)
     return max(min(cap, sum(need.values())), size_class(1))
+
+
+def cpu_tier_bytes(store: Store, cap: int) -> int:
+    """The default device tier of a CPU cache: ordinary memory, committed at the first
+    switch, so sized to the store rather than to the machine. Twice the store's bytes
+    (weights may be cast up to twice their width, bf16 → fp32), at most ``cap``."""
+    return min(cap, 2 * store_bytes(store, cap) + (64 << 20))
 
 
 class HostTier:

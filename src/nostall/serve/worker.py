@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from nostall.cache import ModelCache, Store
+from nostall.cache.host import cpu_tier_bytes
 from nostall.cache.report import human_bytes
 from nostall.errors import (  # the job errors live in the one tree; imported here as before
     ArgumentError,
@@ -181,7 +182,11 @@ class Worker:
                 "give it the budget of its own device"
             )
         self.budget = budget
-        if gpu_budget is None:
+        if gpu_budget is None and budget.device.type == "cpu":
+            # A CPU "device" tier is ordinary memory committed at the first switch: no
+            # more than the store's components need (see ModelCache's CPU default).
+            gpu_budget = budget.claim("model cache", cpu_tier_bytes(store, budget.left))
+        elif gpu_budget is None:
             gpu_budget = budget.claim_rest("model cache")
         else:
             budget.claim("model cache", gpu_budget)
