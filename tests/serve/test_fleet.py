@@ -89,6 +89,65 @@ def test_the_fleet_answers_bad_requests_clearly(fleet_url):
     assert r.status_code == 422 and "steps" in r.json()["error"]["message"]
 
 
+def test_a_request_the_pipeline_rejects_is_a_4xx_and_marks_no_worker_down(fleet_url):
+    # the tiny SD3 takes at most 192 px a side (pos_embed_max_size 96, patch 1, VAE x2):
+    # refused before queueing, or by the pipeline as it runs; either way the client's fault
+    body = {"model": "sd3", "prompt": "a cat", "size": "256x256", "steps": 2, "seed": 1}
+    r = httpx.post(f"{fleet_url}/v1/images/generations", json=body, timeout=300)
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["type"] in ("invalid_value", "rejected_by_pipeline")
+    workers = httpx.get(f"{fleet_url}/fleet").json()["workers"]
+    assert [w["down"] for w in workers] == [False, False]
+    assert _post(fleet_url, "sd3").status_code == 200  # and the fleet serves on
+
+
+def test_the_router_marks_down_only_for_transport_failures_and_5xx():
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    from nostall.serve.fleet import failure_status, route_outcome
+
+    assert route_outcome(None) == (True, True)  # the call failed: down, next worker
+    assert route_outcome(503) == (True, True)  # cannot take it now: down, next worker
+    assert route_outcome(500) == (True, False)  # failed it: down, the error goes back
+    for status in (400, 404, 408, 413, 422, 429):
+        assert route_outcome(status) == (False, False)  # unchanged to the client
+    assert failure_status(ActorDiedError()) is None  # transport
+    raised = RayTaskError("generate", "Traceback ...", ValueError("x")).as_instanceof_cause()
+    assert failure_status(raised) == 500  # the worker's own code raised
+
+
+def test_worker_failures_are_answered_as_the_worker_app_answers_them():
+    import torch
+
+    from nostall.errors import (
+        ArgumentError,
+        BudgetExceeded,
+        QueueFull,
+        ShuttingDown,
+        UnknownModel,
+    )
+    from nostall.serve.fleet import error_answer
+
+    def status(e):
+        return error_answer(e)[0]
+
+    assert status(UnknownModel("no model 'x'", name="x", available=["flux"], close=[])) == 404
+    assert status(ValueError("height above pos_embed_max_size")) == 422  # the pipeline's
+    assert status(QueueFull("full")) == 429 and error_answer(QueueFull("full"))[2] == {
+        "Retry-After": "1"
+    }
+    assert status(ShuttingDown("bye")) == 503
+    oom = torch.OutOfMemoryError("CUDA out of memory")
+    assert status(oom) == 503 and "Retry-After" in error_answer(oom)[2]
+    no_room = BudgetExceeded("tier", tier="gpu", requested=2, budget=1, in_use=0)
+    assert status(no_room) == 503
+    assert status(RuntimeError("a bug")) == 500
+    field = ArgumentError("steps=0: give 1 to 150")
+    field.field, field.allowed = "steps", range(1, 151)  # (set as newer errors carry them)
+    code, error, _ = error_answer(field)
+    assert code == 422 and error["field"] == "steps" and error["allowed"] == "range(1, 151)"
+
+
 def test_route_cost_orders_gpu_host_disk_then_queue():
     from nostall.serve.fleet import _tier, route_cost
 

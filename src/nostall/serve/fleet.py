@@ -17,8 +17,15 @@ speed, one that must read it for the disk's. So this fleet routes itself:
   (0 on the GPU, bytes / host link, bytes / disk) plus the work queued ahead of it.
   A pipeline no worker holds goes at once to the cheapest worker. Ties go to the worker
   holding fewer bytes, so pipelines spread over the fleet;
-* a worker that dies mid-request is marked down for a while and the request is retried
-  on the next cheapest one.
+* a worker that dies mid-request (a transport failure: the replica died or cannot be
+  reached) or answers 503 (no room, out of device memory, shutting down) is marked down
+  for a while (its ``Retry-After``, else ``down_s``) and the request is retried on the
+  next cheapest one; one that answers another 5xx is marked down and its answer goes
+  back (a request that broke one worker is not tried on all of them). A 4xx is the
+  request's own fault: it goes back to the client unchanged, and no worker is marked
+  down (:func:`route_outcome`). Each worker answers every failure of a job as a status
+  (:func:`error_answer`, the worker app's mapping), so a request the pipeline rejects is
+  a 422, never a dead replica.
 
 The embedding service (:mod:`nostall.serve.embed`) runs as a second application,
 :func:`build_embed`, under the route prefix ``/embed``; the workers are given its URL
@@ -55,7 +62,15 @@ from fastapi.responses import JSONResponse, Response
 
 from nostall.errors import ArgumentError, NostallError
 
-__all__ = ["build_embed", "build_fleet", "route_cost", "worker_budgets"]
+__all__ = [
+    "build_embed",
+    "build_fleet",
+    "error_answer",
+    "failure_status",
+    "route_cost",
+    "route_outcome",
+    "worker_budgets",
+]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +85,90 @@ def route_cost(tier: str, nbytes: int, in_flight: int, request_s: float) -> floa
     """Estimated seconds until a worker could finish switching to a pipeline: its switch
     (``nbytes`` from ``tier``) after the ``in_flight`` requests it already has."""
     return nbytes * _SECONDS_PER_BYTE.get(tier, _SECONDS_PER_BYTE["disk"]) + in_flight * request_s
+
+
+def route_outcome(status: int | None) -> tuple[bool, bool]:
+    """What the router does after a worker failed a request: ``(mark it down, try the
+    next worker)``. ``status`` is the worker's answer, or None when the call itself failed
+    (the replica died or cannot be reached).
+
+    >>> route_outcome(None), route_outcome(503), route_outcome(500), route_outcome(422)
+    ((True, True), (True, True), (True, False), (False, False))
+    """
+    if status is None or status == 503:  # gone, or cannot take it now: another may
+        return True, True
+    if status >= 500:  # it failed the job: down for a while, and the error goes back
+        return True, False
+    return False, False  # the request's own fault: back to the client unchanged
+
+
+def failure_status(e: BaseException) -> int | None:
+    """The status of a worker call that raised: None for a transport failure (the replica
+    died, was unreachable, or Ray Serve could not place the call), 500 for an exception
+    the worker's own code raised (answered as such: a bug, not a dead replica)."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    if isinstance(e, RayTaskError) and not isinstance(e, RayActorError):
+        return 500
+    return None
+
+
+def error_answer(e: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """``(status, error, headers)`` for a job that failed with ``e``, as the worker app
+    answers it (:mod:`nostall.serve.app`): 404 unknown model, 422 a value the request or
+    the pipeline refused (with ``field`` and ``allowed`` where the error names them), 429
+    queue full, 503 shutting down, no room or out of device memory (with
+    ``Retry-After``), 500 anything else. ``error`` is the JSON ``{"type", "message", ...}``.
+
+    >>> error_answer(ValueError("height 4096 above 3072"))[:2]
+    (422, {'type': 'rejected_by_pipeline', 'message': 'height 4096 above 3072'})
+    """
+    import json
+    import math
+
+    from nostall.errors import (
+        BudgetExceeded,
+        Cancelled,
+        QueueFull,
+        ServeError,
+        ShuttingDown,
+        UnknownModel,
+    )
+
+    def retry(default: float) -> dict[str, str]:
+        wait = getattr(e, "retry_after", None) or default
+        return {"Retry-After": str(max(1, math.ceil(wait)))}
+
+    def err(kind: str, message: str | None = None) -> dict[str, Any]:
+        return {"type": kind, "message": str(e) if message is None else message}
+
+    if isinstance(e, UnknownModel):
+        return 404, err("unknown_model"), {}
+    if isinstance(e, QueueFull):
+        return 429, err("queue_full"), retry(1)
+    if isinstance(e, ArgumentError):
+        out = err("invalid_value")
+        if getattr(e, "field", None) is not None:
+            allowed = getattr(e, "allowed", None)
+            try:
+                json.dumps(allowed)
+            except (TypeError, ValueError):
+                allowed = str(allowed)
+            out.update(field=e.field, allowed=allowed)
+        return 422, out, {}
+    if isinstance(e, (ShuttingDown, Cancelled)):
+        return 503, err("shutting_down"), {}
+    if isinstance(e, BudgetExceeded):
+        return 503, err("no_room"), retry(5)
+    if isinstance(e, ServeError) and getattr(e, "retry_after", None) is not None:
+        return 503, err("device_busy"), retry(5)  # out of device memory twice
+    if type(e).__name__ == "OutOfMemoryError":  # torch's, where a worker lets it through
+        return 503, err("out_of_memory", f"OutOfMemoryError: {e}"), retry(5)
+    if isinstance(e, ValueError):  # the pipeline refused what it was given (check_inputs)
+        return 422, err("rejected_by_pipeline"), {}
+    if isinstance(e, NostallError):
+        return 500, err(type(e).__name__), {}
+    return 500, err(type(e).__name__, f"{type(e).__name__}: {e}"), {}
 
 
 def _tier(tiers: list[str] | None) -> str:
@@ -89,18 +188,25 @@ def worker_budgets(
     options: dict[str, Any],
     limit: int | None = None,
     store_bytes: int | None = None,
+    embed_bytes: int = 0,
 ) -> dict[str, Any]:
     """One worker's options: ``options``, with the host tier (and on a CPU the device
     tier) defaulting to the one-worker default divided by ``replicas``; the host tier no
     larger than ``store_bytes``, what the store takes there
-    (:func:`nostall.cache.host.store_bytes`)."""
+    (:func:`nostall.cache.host.store_bytes`). On GPUs, ``embed_bytes``: what an embedding
+    service sharing a worker's GPU takes there (its encoders,
+    :func:`~nostall.serve.budget.text_encoder_bytes`); each worker's device budget leaves
+    it out (``external``), since Ray may put the service beside any of them, unless
+    ``options`` give the device tier."""
     from nostall.memory.host import memory_limit
 
     limit = limit or memory_limit()[0] or (16 << 30)
     host = limit // 2 // replicas
-    out = {"host_budget": host if store_bytes is None else min(host, store_bytes)}
+    out: dict[str, Any] = {"host_budget": host if store_bytes is None else min(host, store_bytes)}
     if not gpu:
         out["gpu_budget"] = limit // 4 // replicas
+    elif embed_bytes and "gpu_budget" not in options:
+        out["external"] = embed_bytes
     return {**out, **options}
 
 
@@ -166,31 +272,28 @@ def build_fleet(
 
             from nostall.cache.host import store_bytes
             from nostall.cache.store import Store
+            from nostall.serve.budget import text_encoder_bytes
             from nostall.serve.worker import Worker
 
             self.index = index
             self.actor = ray.get_runtime_context().get_actor_name()  # for operators (and tests)
             store = Store.shared(models)  # scanned once: sizing and the worker's cache share it
             need = None if "host_budget" in opts else store_bytes(store, 1 << 62)
-            budgets = worker_budgets(replicas, gpu=bool(gpus), options=opts, store_bytes=need)
+            embed = text_encoder_bytes(store) if gpus and gpu_share < 1 else 0  # beside one
+            budgets = worker_budgets(
+                replicas, gpu=bool(gpus), options=opts, store_bytes=need, embed_bytes=embed
+            )
             self.worker = Worker(store, device=device, **budgets).start()
 
         async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
-            from nostall.errors import UnknownModel
-            from nostall.serve.worker import QueueFull
-
             try:
                 job = self.worker.image_job(body)
                 future, _ = self.worker.submit(job)
                 out = await asyncio.wrap_future(future)
-            except UnknownModel as e:
-                return {"error": (404, "unknown_model", str(e)), "state": self.state()}
-            except QueueFull as e:
-                return {"error": (429, "queue_full", str(e)), "state": self.state()}
-            except ArgumentError as e:
-                return {"error": (422, "invalid_value", str(e)), "state": self.state()}
-            except NostallError as e:
-                return {"error": (500, type(e).__name__, str(e)), "state": self.state()}
+            except Exception as e:  # an answer: a raise here reads as a worker fault
+                status, error, headers = error_answer(e)
+                return {"status": status, "error": error, "headers": headers,
+                        "state": self.state()}  # fmt: skip
             return {
                 "png": out.body,
                 "phases": out.phases,
@@ -290,25 +393,33 @@ def build_fleet(
             fmt = body.pop("response_format", "b64_json")
             for ignored in ("n", "user", "quality", "style"):
                 body.pop(ignored, None)
-            last: Exception | None = None
+            last: dict[str, Any] | None = None
             for i in self._order(model):
                 tier = _tier(self.models[i].get(model))
                 self.in_flight[i] += 1
                 t = time.perf_counter()
                 try:
                     out = await self.workers[i].generate.remote(body)
-                except Exception as e:  # the replica died or is unreachable: next one
-                    log.warning("worker %d failed (%s); retrying elsewhere", i, e)
-                    self.down_until[i] = time.monotonic() + down_s
-                    last = e
-                    continue
+                except Exception as e:
+                    why = {"type": type(e).__name__, "message": f"worker {i}: {e}"}
+                    out = {"status": failure_status(e), "headers": {}, "error": why}
                 finally:
                     self.in_flight[i] -= 1
-                self.models[i] = out["state"]["models"]
-                self.actors[i] = out["state"].get("actor")
+                if "state" in out:
+                    self.models[i] = out["state"]["models"]
+                    self.actors[i] = out["state"].get("actor")
                 if "error" in out:
-                    status, kind, message = out["error"]
-                    return JSONResponse({"error": {"type": kind, "message": message}}, status)
+                    status, headers = out["status"], out["headers"]
+                    down, retry = route_outcome(status)
+                    if down:
+                        wait = float(headers.get("Retry-After", 0)) or down_s
+                        self.down_until[i] = time.monotonic() + wait
+                        log.warning("worker %d down for %.0f s (%s: %s)", i, wait, status,
+                                    out["error"]["type"])  # fmt: skip
+                    if retry:
+                        last = out
+                        continue
+                    return JSONResponse({"error": out["error"]}, status, headers=headers)
                 elapsed = time.perf_counter() - t
                 self.request_s = 0.8 * self.request_s + 0.2 * elapsed
                 self.routed.append({"model": model, "worker": i, "tier_before": tier})
@@ -330,9 +441,13 @@ def build_fleet(
                     },
                     headers=headers,
                 )
+            why = last["error"] if last else {"type": "none", "message": "no worker"}
             return JSONResponse(
-                {"error": {"type": "no_worker", "message": f"every worker failed: {last}"}}, 503
-            )
+                {"error": {"type": "no_worker", "message": f"every worker failed; the last: "
+                           f"{why['type']}: {why['message']}"}},
+                503,
+                headers=(last or {}).get("headers") or None,
+            )  # fmt: skip
 
         @app.get("/v1/models")
         async def list_models(self) -> dict:
