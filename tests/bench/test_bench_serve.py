@@ -1,9 +1,14 @@
-"""``nostall bench serve`` on the CPU: the worker and embedding parts, tiny pipelines."""
+"""``nostall bench serve`` on the CPU, tiny pipelines: the worker and embedding parts
+(issue #11), and every part of the real-size run (issue #18) at tiny size: the diffusers
+peer, the stream alone and with the embedding service in-process and as a process, the
+soak and the prefetch, run as two commands into one report."""
 
 from __future__ import annotations
 
 import json
+import os
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -11,13 +16,32 @@ from nostall.cli import app
 
 pytest.importorskip("fastapi")
 
+FULL_TARGETS = {
+    "full_worker_lost_or_mixed_up",
+    "full_worker_with_embed_lost_or_mixed_up",
+    "full_throughput_vs_diffusers_worker",
+    "full_gpu_busy_share",
+    "full_p99_over_p50",
+    "full_prefetch_inference_slowdown",
+    "soak_good_requests_lost",
+    "soak_memory_growth",
+}
+TINY_TARGETS = {
+    "worker_lost_or_mixed_up",
+    "worker_warm_switches_from_memory_share",
+    "fleet_warm_on_holding_worker_share",
+    "fleet_throughput_vs_one",
+    "embed_batching_speedup",
+    "embed_cache_hit_ms",
+}
+
 
 def test_tiny_serve_bench_runs_from_the_cli(tmp_path):
     out = tmp_path / "serve.json"
     result = CliRunner().invoke(
         app,
         ["bench", "serve", "--device", "cpu", "--part", "worker", "--part", "embed",
-         "--requests", "12", "--clients", "6", "--size", "32", "--steps", "2",
+         "--requests", "12", "--clients", "6", "--resolution", "32", "--steps", "2",
          "--texts-each", "1", "--work", str(tmp_path), "--out", str(out)],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
@@ -33,5 +57,102 @@ def test_tiny_serve_bench_runs_from_the_cli(tmp_path):
     assert e["batched"]["batches"] < e["one_at_a_time"]["batches"]
     assert 0 < e["cache_hit_ms_p50"] < 1000
     t = report["targets"]
+    assert set(t) == TINY_TARGETS | FULL_TARGETS
     assert t["worker_lost_or_mixed_up"]["met"] is True
     assert t["fleet_throughput_vs_one"]["met"] is None  # the fleet part did not run
+    assert t["full_gpu_busy_share"]["met"] is None
+
+
+def _serve(tmp_path, out, *parts, extra=()):
+    args = ["bench", "serve", "--device", "cpu", "--requests", "6", "--clients", "3",
+            "--resolution", "32", "--steps", "2", "--soak-s", "3", "--work",
+            str(tmp_path / "work"), "--out", str(out), *extra]  # fmt: skip
+    for p in parts:
+        args += ["--part", p]
+    return CliRunner().invoke(app, args)
+
+
+def test_every_part_of_the_real_size_run_works_at_tiny_size_in_two_commands(tmp_path):
+    out = tmp_path / "serve.json"
+    first = _serve(tmp_path, out, "peer", "stream")
+    assert first.exit_code == 0, first.output
+    report = json.loads(out.read_text())
+    peer, stream = report["results"]["peer"], report["results"]["stream"]
+    assert peer["answered_200"] == 6 and peer["mode"] in ("to", "from_pretrained")
+    assert set(peer["probe"]) == {"to", "from_pretrained", "faster"}
+    assert peer["references"]["count"] == 6  # one image per request: the references
+    assert stream["answered_200"] == 6 and stream["images"]["checked"] is True
+    assert stream["wrong_images"] == 0 and stream["lost_or_mixed_up"] == 0
+    assert stream["images"]["references_min"] > 5  # the seeds' images tell apart
+    assert 0 < stream["gpu_busy_share"] <= 1 and stream["p99_over_p50"] >= 1
+    assert report["targets"]["full_worker_lost_or_mixed_up"]["met"] is True
+    ratio = report["targets"]["full_throughput_vs_diffusers_worker"]["value"]
+    assert ratio == pytest.approx(stream["throughput_per_s"] / peer["throughput_per_s"])
+
+    # Two references swapped on disk: every later stream must find exactly those two wrong.
+    refs = peer["references"]["folder"]
+    a, b = sorted(f for f in os.listdir(refs) if f.endswith(".png"))[:2]
+    os.rename(os.path.join(refs, a), os.path.join(refs, "swap"))
+    os.rename(os.path.join(refs, b), os.path.join(refs, a))
+    os.rename(os.path.join(refs, "swap"), os.path.join(refs, b))
+    second = _serve(tmp_path, out, "stream-embed", "stream-embed-process", "soak", "prefetch",
+                    extra=["--append"])  # fmt: skip
+    assert second.exit_code == 0, second.output
+    report = json.loads(out.read_text())
+    res, t = report["results"], report["targets"]
+    assert set(res) == {"peer", "stream", "stream-embed", "stream-embed-process", "soak",
+                        "prefetch"}  # fmt: skip
+    assert set(t) == TINY_TARGETS | FULL_TARGETS
+    for name in ("stream-embed", "stream-embed-process"):
+        r = res[name]
+        assert r["answered_200"] == 6 and r["mixed_up"] == 0 and r["texts_encoded"] > 0, r
+        assert sorted(f"{w['model']}-{w['seed']}.png" for w in r["images"]["wrong"]) == [a, b]
+        assert r["lost_or_mixed_up"] == 2
+    assert res["stream-embed"]["embedding_service"] == "in-process"
+    assert all(s == 200 for s in res["stream-embed-process"]["encoders_warmed"].values())
+    assert t["full_worker_with_embed_lost_or_mixed_up"]["value"] == 4
+    assert t["full_worker_with_embed_lost_or_mixed_up"]["met"] is False
+    soak = res["soak"]
+    assert soak["good"]["sent"] > 0 and soak["good"]["lost"] == 0, soak["good"]
+    assert soak["bad_answered_5xx"] == 0 and soak["bad_answered_2xx"] == 0, soak["bad"]
+    assert soak["unexpected"] == {}
+    assert {"gpu_allocated", "host_pinned"} <= set(soak["memory"]["growth"])
+    assert t["soak_good_requests_lost"]["met"] is True
+    assert t["soak_memory_growth"]["value"] == soak["memory_growth"]
+    assert res["prefetch"]["switch_size"] == "tiny" and "slowdown" in res["prefetch"]
+    assert t["full_prefetch_inference_slowdown"]["value"] == res["prefetch"]["slowdown"]
+    assert t["full_worker_lost_or_mixed_up"]["met"] is True  # kept from the first command
+
+    # a run of another configuration is not added to this report
+    other = _serve(tmp_path, out, "stream", extra=["--append", "--steps", "3"])
+    assert other.exit_code == 2 and "cannot be added" in other.output
+
+
+def test_the_image_check_counts_a_swapped_image_and_refuses_alike_references():
+    import base64
+    import io
+
+    from PIL import Image
+
+    from nostall.bench import references
+
+    rng = np.random.default_rng(0)
+    refs = {("flux", s): rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for s in range(3)}
+
+    def b64(img):
+        buf = io.BytesIO()
+        Image.fromarray(img).save(buf, format="PNG")
+        return base64.b64encode(buf.getvalue()).decode()
+
+    near = np.clip(refs[("flux", 0)].astype(int) + 1, 0, 255).astype(np.uint8)  # a level off
+    answers = [
+        {"model": "flux", "seed": 0, "b64": b64(near)},
+        {"model": "flux", "seed": 1, "b64": b64(refs[("flux", 2)])},  # another's image
+        {"model": "sdxl", "seed": 2, "b64": b64(refs[("flux", 2)])},  # no reference
+    ]
+    got = references.check(answers, refs)
+    assert got["checked"] is True and 0 < got["own_max"] <= 1.0
+    assert [(w["model"], w["seed"]) for w in got["wrong"]] == [("flux", 1), ("sdxl", 2)]
+    grey = {k: np.full((64, 64, 3), 128, np.uint8) for k in refs}
+    assert references.check(answers, grey)["checked"] is False  # cannot tell: not passed
+    assert references.check(answers, None)["checked"] is False

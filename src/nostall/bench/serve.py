@@ -16,7 +16,18 @@ through real HTTP on loopback.
   one text at a time (token budget = one text) and dynamically (8192 tokens, 5 ms);
   then the end-to-end latency of a cache hit.
 
-The report's ``targets`` are issue #11's.
+With ``size="full"`` (``--size full``) the store is real-size random FLUX.1-dev, SDXL
+and SD3-medium (47 GB, written once under ``work``; :func:`nostall.synthetic.full.footprint`
+and the disk's room are checked first) and the default parts are issue #18's
+(:mod:`nostall.bench.serve_full`): the stream through a plain diffusers worker
+(``peer``) and through the worker, alone and with the embedding service in-process and
+in a separate process, every image held to the peer's; a soak; the prefetch slowdown.
+They run on tiny pipelines too (CI). Each part's result is saved as it ends (``save``),
+and a part that fails is reported and the others still run; ``previous`` (an earlier
+report of the same configuration) keeps its parts' results, so one long benchmark can
+run as several shorter commands.
+
+The report's ``targets`` are issue #11's (tiny: the harness) and issue #18's (full).
 """
 
 from __future__ import annotations
@@ -31,11 +42,17 @@ from typing import Any
 import numpy as np
 
 from nostall.bench.record import header
+from nostall.bench.serve_full import FULL_PARTS
 
-__all__ = ["evaluate_targets", "run_serve_bench"]
+__all__ = ["PARTS", "SIZES", "evaluate_targets", "run_serve_bench"]
 
-PARTS = ("worker", "fleet", "embed")
 PIPELINES = ("flux", "sdxl", "sd3")
+# Per size: the default parts, then the stream's requests, side in pixels and steps.
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {"parts": ("worker", "fleet", "embed"), "requests": 96, "res": 128, "steps": 4},
+    "full": {"parts": FULL_PARTS, "requests": 64, "res": 512, "steps": 8},
+}
+PARTS = ("worker", "fleet", "embed", *FULL_PARTS)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -83,7 +100,9 @@ def _drive(url: str, stream, clients: int, size: int, steps: int) -> dict[str, A
                         break
                     with lock:
                         rejected += 1
-                    time.sleep(float(r.headers.get("retry-after", "1")) * 0.05)
+                    # the worker's estimate of when its queue has room: retrying sooner
+                    # only adds 429s
+                    time.sleep(float(r.headers.get("retry-after", "1")))
                 latency = time.perf_counter() - t
                 out = r.json() if r.status_code == 200 else {"error": r.text}
                 with lock:
@@ -329,70 +348,126 @@ def run_serve_bench(
     *,
     models: str | None = None,
     device: str = "cuda",
-    parts: tuple[str, ...] = PARTS,
+    size: str = "tiny",
+    parts: tuple[str, ...] | None = None,
     clients: int = 16,
-    requests: int = 96,
-    size: int = 256,
-    steps: int = 4,
+    requests: int | None = None,
+    res: int | None = None,
+    steps: int | None = None,
     replicas: int = 2,
     encoder: str = "flux/text_encoder_2",
     embed_clients: int = 32,
     texts_each: int = 8,
+    soak_s: float = 120.0,
+    peer_mode: str = "auto",
     work: str | None = None,
     log: Callable[[str], None] = print,
+    save: Callable[[dict], None] | None = None,
+    previous: dict | None = None,
 ) -> dict:
-    """Run the parts; ``models`` defaults to a store of tiny random FLUX, SDXL and SD3
-    pipelines written into ``work``."""
+    """Run the parts (default: the size's, :data:`SIZES`); ``models`` defaults to a store
+    of random FLUX, SDXL and SD3 pipelines of ``size`` written into ``work`` (full:
+    ``/tmp/nostall-bench/serve`` unless given, kept for the next run)."""
+    import gc
+
     import torch
 
+    from nostall.bench import serve_full
     from nostall.errors import ArgumentError
 
+    if size not in SIZES:
+        raise ArgumentError(f"size={size!r}; choose one of {', '.join(SIZES)}")
+    cfg = SIZES[size]
+    parts = tuple(parts or cfg["parts"])
     bad = sorted(set(parts) - set(PARTS))
     if bad or not parts:
         raise ArgumentError(f"parts must be some of {PARTS}, got {tuple(parts)!r}")
-    if models is None:
-        from nostall.synthetic import write_store
-
-        work = work or tempfile.mkdtemp(prefix="nostall-serve-")
-        models = os.path.join(work, "store")
-        if not os.path.isdir(models):
-            write_store(models, PIPELINES)
+    requests = requests or cfg["requests"]
+    res_px = res or cfg["res"]
+    steps = steps or cfg["steps"]
+    work = work or ("/tmp/nostall-bench/serve" if size == "full" else None)
+    work = work or tempfile.mkdtemp(prefix="nostall-serve-")
+    os.makedirs(work, exist_ok=True)
+    config = {"size": size, "models": models, "clients": clients, "requests": requests,
+              "res": res_px, "steps": steps}  # fmt: skip
+    earlier = {k: (previous or {}).get("config", {}).get(k) for k in config}
+    if previous is not None and earlier != config:
+        raise ArgumentError(
+            f"the earlier report ran {earlier} and this run {config}; its results cannot "
+            "be added to another run's (run the same --size, --models, --clients, "
+            "--requests, --resolution and --steps)"
+        )
     dev = torch.device(device)
-    budgets: dict[str, Any] = {}
     report: dict = {
         **header("serve", dev),
         "config": {
-            "models": str(models),
+            **config,
+            "device": device,
             "parts": list(parts),
-            "clients": clients,
-            "requests": requests,
-            "size": size,
-            "steps": steps,
             "replicas": replicas,
             "encoder": encoder,
             "embed_clients": embed_clients,
             "texts_each": texts_each,
+            "soak_s": soak_s,
+            "peer_mode": peer_mode,
+            "work": work,
         },
-        "results": {},
+        "results": dict((previous or {}).get("results", {})),
     }
-    res = report["results"]
-    if "worker" in parts:
-        res["worker"] = _worker_part(models, device, clients, requests, size, steps, budgets, log)
-    if "fleet" in parts:
-        res["fleet"] = _fleet_part(
-            models, device, clients, requests, size, steps, replicas, budgets, log
-        )
-    if "embed" in parts:
-        embed_models = models
-        if encoder == "t5xxl/text_encoder_2":  # the real-size encoder, written on demand
-            embed_models = write_t5_store(
-                os.path.join(work or tempfile.mkdtemp(prefix="nostall-serve-"), "t5store"),
-                device,
-                progress=log,
-            )
-        res["embed"] = _embed_part(embed_models, device, encoder, embed_clients, texts_each, log)
+    if previous is not None:
+        report["config"]["parts"] = sorted({*previous["config"].get("parts", []), *parts})
+        report["store"] = previous.get("store")
+    if models is None:
+        from nostall.synthetic import write_store
+
+        models = os.path.join(work, "store")
+        if size == "full":
+            report["store"] = serve_full.write_full_store(models, device, log)
+        else:
+            write_store(models, PIPELINES)
+    run = serve_full.Run(str(models), device, clients, requests, res_px, steps, work,
+                         _stream(requests), _drive, log)  # fmt: skip
+    budgets: dict[str, Any] = {}
+    steps_of = {
+        "worker": lambda: _worker_part(
+            models, device, clients, requests, res_px, steps, budgets, log
+        ),
+        "fleet": lambda: _fleet_part(
+            models, device, clients, requests, res_px, steps, replicas, budgets, log
+        ),
+        "embed": lambda: _embed_run(models, device, encoder, embed_clients, texts_each, work, log),
+        "peer": lambda: serve_full.peer_part(run, peer_mode),
+        "stream": lambda: serve_full.stream_part(run),
+        "stream-embed": lambda: serve_full.stream_part(run, "in-process"),
+        "stream-embed-process": lambda: serve_full.stream_part(run, "process"),
+        "soak": lambda: serve_full.soak_part(run, soak_s),
+        "prefetch": lambda: serve_full.prefetch_part(run, size),
+    }
+    # in PARTS' order: the peer before the stream parts, which hold images to its
+    for part in sorted(parts, key=PARTS.index):
+        log(f"== {part}")
+        t = time.perf_counter()
+        try:
+            report["results"][part] = steps_of[part]()
+        except Exception as e:  # reported; the other parts still run
+            report["results"][part] = {"error": f"{type(e).__name__}: {e}"}
+            log(f"  {part} failed: {type(e).__name__}: {e}")
+        report["results"][part]["part_s"] = time.perf_counter() - t
+        report["targets"] = evaluate_targets(report)
+        if save is not None:
+            save(report)
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     report["targets"] = evaluate_targets(report)
     return report
+
+
+def _embed_run(models, device, encoder, embed_clients, texts_each, work, log) -> dict:
+    embed_models = models
+    if encoder == "t5xxl/text_encoder_2":  # the real-size encoder, written on demand
+        embed_models = write_t5_store(os.path.join(work, "t5store"), device, progress=log)
+    return _embed_part(embed_models, device, encoder, embed_clients, texts_each, log)
 
 
 def evaluate_targets(report: dict) -> dict[str, dict]:
@@ -416,11 +491,45 @@ def evaluate_targets(report: dict) -> dict[str, dict]:
     e = res.get("embed", {})
     target("embed_batching_speedup", e.get("batching_speedup"), ">=", 4.0)
     target("embed_cache_hit_ms", e.get("cache_hit_ms_p50"), "<=", 2.0)
+    # issue #18: the mixed stream at real size (the names say full; tiny runs fill them too)
+    s, peer = res.get("stream", {}), res.get("peer", {})
+    target("full_worker_lost_or_mixed_up", s.get("lost_or_mixed_up"), "<=", 0)
+    embeds = [res[p] for p in ("stream-embed", "stream-embed-process") if p in res]
+    counts = [x.get("lost_or_mixed_up") for x in embeds]
+    target("full_worker_with_embed_lost_or_mixed_up",
+           sum(counts) if counts and None not in counts else None, "<=", 0)  # fmt: skip
+    ours, theirs = s.get("throughput_per_s"), peer.get("throughput_per_s")
+    target("full_throughput_vs_diffusers_worker", ours / theirs if ours and theirs else None,
+           ">=", 4.0)  # fmt: skip
+    target("full_gpu_busy_share", s.get("gpu_busy_share"), ">=", 0.85)
+    target("full_p99_over_p50", s.get("p99_over_p50"), "<=", 3.0)
+    target("full_prefetch_inference_slowdown", res.get("prefetch", {}).get("slowdown"),
+           "<=", 0.05)  # fmt: skip
+    soak = res.get("soak", {})
+    target("soak_good_requests_lost", soak.get("good", {}).get("lost"), "<=", 0)
+    target("soak_memory_growth", soak.get("memory_growth"), "<=", 0.01)
     return t
 
 
 def tables(report: dict) -> list:
-    """What ``nostall bench serve`` prints after a run: the targets."""
+    """What ``nostall bench serve`` prints after a run: the mixed stream through each
+    server (where it ran), then the targets."""
+    from rich.table import Table
+
     from nostall.bench import targets
 
-    return [targets.table(report["targets"])]
+    res = report["results"]
+    rows = [(label, r) for label, part in (
+        ("diffusers worker (peer)", "peer"), ("worker", "stream"),
+        ("worker + embedding service in-process", "stream-embed"),
+        ("worker + embedding service process", "stream-embed-process"),
+    ) if "requests" in (r := res.get(part, {}))]  # fmt: skip
+    stream = Table(title="the mixed stream, same run", title_justify="left")
+    for col in ("server", "answered", "wrong images", "req/s", "p50 s", "p99 s"):
+        stream.add_column(col, justify="left" if col == "server" else "right")
+    for label, r in rows:
+        wrong = r.get("wrong_images", "") if r.get("images", {}).get("checked") else "-"
+        stream.add_row(label, f"{r['answered_200']}/{r['requests']}", str(wrong),
+                       f"{r['throughput_per_s']:.3f}", f"{r['latency_p50_s'] or 0:.2f}",
+                       f"{r['latency_p99_s'] or 0:.2f}")  # fmt: skip
+    return [stream] * bool(rows) + [targets.table(report["targets"])]

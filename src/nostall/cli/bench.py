@@ -204,17 +204,32 @@ def bench_decode(
 
 @bench_app.command("serve")
 def bench_serve(
-    models: str = typer.Option(None, help="Pipeline store (default: tiny FLUX/SDXL/SD3)."),
+    size: str = typer.Option(
+        "tiny",
+        help="tiny (random tiny FLUX/SDXL/SD3, seconds on a CPU; parts worker, fleet, embed) "
+        "or full (real-size FLUX.1-dev, SDXL and SD3-medium, 47 GB written under --work; "
+        "parts peer, stream, stream-embed, stream-embed-process, soak, prefetch).",
+    ),
+    models: str = typer.Option(None, help="Pipeline store (default: written, see --size)."),
     device: str = device_option(_DEVICE),
     part: list[str] = typer.Option(  # noqa: B008
-        None, "--part", help="worker, fleet, embed (repeatable). Default: all."
+        None,
+        "--part",
+        help="Parts to run (repeatable): worker, fleet, embed, peer, stream, stream-embed, "
+        "stream-embed-process, soak, prefetch. Default: the size's.",
     ),
     clients: int = typer.Option(
         16, callback=in_range(1), help="Concurrent clients of the worker and the fleet."
     ),
-    requests: int = typer.Option(96, callback=in_range(1), help="Requests in the mixed stream."),
-    size: int = typer.Option(256, callback=in_range(16), help="Image side in pixels."),
-    steps: int = typer.Option(4, callback=in_range(1), help="Denoising steps per request."),
+    requests: int = typer.Option(
+        None, callback=in_range(1), help="Requests in the mixed stream (tiny 96, full 64)."
+    ),
+    resolution: int = typer.Option(
+        None, callback=in_range(16), help="Image side in pixels (tiny 128, full 512)."
+    ),
+    steps: int = typer.Option(
+        None, callback=in_range(1), help="Denoising steps per request (tiny 4, full 8)."
+    ),
     replicas: int = typer.Option(2, callback=in_range(1), help="Fleet workers (one GPU each)."),
     encoder: str = typer.Option(
         "flux/text_encoder_2",
@@ -223,31 +238,73 @@ def bench_serve(
     texts_each: int = typer.Option(
         8, callback=in_range(1), help="Texts per embedding client (32 clients)."
     ),
-    work: str = typer.Option(None, help="Folder for the written store."),
+    soak_s: float = typer.Option(
+        120.0, "--soak-s", callback=in_range(1.0), help="Seconds the soak part runs."
+    ),
+    peer_mode: str = typer.Option(
+        "auto",
+        help="How the diffusers peer switches: to (pipelines in CPU memory, .to()), "
+        "from_pretrained (per switch) or auto (the faster of one round of each).",
+    ),
+    work: str = typer.Option(
+        None,
+        help="Folder for the written store and the peer's reference images (default: a "
+        "temporary one; full: /tmp/nostall-bench/serve, kept for the next run).",
+    ),
     out: str = typer.Option(f"{BENCH_OUT}/serve.json", help="JSON report path."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing report."),
+    append: bool = typer.Option(
+        False,
+        "--append",
+        help="Add this run's parts to the report at --out (same size, store, clients, "
+        "requests, resolution and steps), so a long benchmark can run as several commands.",
+    ),
 ) -> None:
-    """The worker, the Ray Serve fleet and the embedding service under concurrent load."""
-    from nostall.bench import serve as bench
+    """The worker, the Ray Serve fleet and the embedding service under concurrent load;
+    at full size, the mixed stream against a plain diffusers worker, with the embedding
+    service in-process and as a separate process, a soak and the prefetch slowdown."""
+    import json
+    import os
 
-    parts = check_choices(part or bench.PARTS, bench.PARTS, "--part")
-    check_output(out, hint="--out", overwrite=overwrite)
+    from nostall.bench import serve as bench
+    from nostall.bench.record import write_report
+    from nostall.bench.serve_peer import MODES
+
+    check_choices([size], tuple(bench.SIZES), "--size")
+    parts = check_choices(part or bench.SIZES[size]["parts"], bench.PARTS, "--part")
+    check_choices([peer_mode], ("auto", *MODES), "--peer-mode")
+    previous = None
+    if append and os.path.isfile(out):
+        try:
+            with open(out) as f:
+                previous = json.load(f)
+        except (OSError, ValueError) as e:
+            msg = f"cannot read {out!r} to add to it: {e}"
+            raise typer.BadParameter(msg, param_hint="--out") from None
+    check_output(out, hint="--out", overwrite=overwrite or append)
     with usage_errors():
         report = bench.run_serve_bench(
             models=models,
             device=device,
+            size=size,
             parts=parts,
             clients=clients,
             requests=requests,
-            size=size,
+            res=resolution,
             steps=steps,
             replicas=replicas,
             encoder=encoder,
             texts_each=texts_each,
+            soak_s=soak_s,
+            peer_mode=peer_mode,
             work=work,
             log=_log,
+            save=lambda r: write_report(r, out, overwrite=True),
+            previous=previous,
         )
-    _finish(report, bench.tables(report), out, overwrite=overwrite)
+    write_report(report, out, overwrite=True)
+    _show(bench.tables(report))
+    console.print(f"report written to {out}")
 
 
 @bench_app.command("fp8")
