@@ -35,6 +35,10 @@ def test_images_on_cuda_equal_diffusers(serve, store):
 def _fill_device() -> list[torch.Tensor]:
     """Take every byte torch can still allocate on the GPU (halving chunks down to its
     smallest block), so that the next allocation anywhere in the process fails."""
+    # torch caches freed blocks per stream, and the worker's job runs on its own: give
+    # every cached block back to the driver first, or the job finds room in its cache
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     hog: list[torch.Tensor] = []
     size = 1 << 30
     while size >= 512:
