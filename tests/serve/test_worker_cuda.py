@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 
 import httpx
@@ -32,21 +33,20 @@ def test_images_on_cuda_equal_diffusers(serve, store):
     assert phases["denoise"] > 0 and phases["copy"] > 0
 
 
-def _fill_device() -> list[torch.Tensor]:
-    """Take every byte torch can still allocate on the GPU (halving chunks down to its
-    smallest block), so that the next allocation anywhere in the process fails."""
-    # torch caches freed blocks per stream, and the worker's job runs on its own: give
-    # every cached block back to the driver first, or the job finds room in its cache
+@contextlib.contextmanager
+def _no_new_device_memory():
+    """Let this process reserve no more device memory than it holds now, so that a job
+    needing a new block gets the caching allocator's own OutOfMemoryError. (Filling the
+    GPU with tensors from the test thread is not enough: torch caches freed blocks per
+    stream, and the worker's job found room in its own stream's blocks.)"""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    hog: list[torch.Tensor] = []
-    size = 1 << 30
-    while size >= 512:
-        try:
-            hog.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
-        except torch.OutOfMemoryError:
-            size //= 2
-    return hog
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (1 << 20)) / total)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
 
 
 def test_a_real_out_of_memory_is_answered_503_and_the_worker_keeps_serving(serve):
@@ -56,14 +56,11 @@ def test_a_real_out_of_memory_is_answered_503_and_the_worker_keeps_serving(serve
         assert c.post("/v1/images/generations", json=body).status_code == 200
         peaks = worker.status()["budget"]["peaks"]
         assert peaks["sdxl"]["32x32 b1"] > 0  # measured on first use
-        hog = _fill_device()
-        try:
-            r = c.post("/v1/images/generations", json={**body, "size": "64x64"})
-        finally:
-            del hog
-            torch.cuda.empty_cache()
+        # 512x512: its activations need new device blocks (32x32's fit in the cached ones)
+        with _no_new_device_memory():
+            r = c.post("/v1/images/generations", json={**body, "size": "512x512"})
         assert r.status_code == 503, r.text
         assert r.json()["error"]["type"] == "device_busy" and int(r.headers["retry-after"]) >= 1
-        again = c.post("/v1/images/generations", json={**body, "size": "64x64"})
+        again = c.post("/v1/images/generations", json={**body, "size": "512x512"})
         assert again.status_code == 200, again.text
         assert worker.ready
