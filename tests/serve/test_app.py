@@ -49,6 +49,27 @@ def shared_server(store):
         yield server
 
 
+@pytest.fixture
+def gated(monkeypatch):
+    """Image jobs that wait at a gate: ``started`` is set as each begins, ``ran`` lists
+    their seeds, and each waits for ``gate`` (at most 60 s) before it runs for real."""
+    import types
+
+    from nostall.serve import worker as worker_mod
+
+    g = types.SimpleNamespace(started=threading.Event(), gate=threading.Event(), ran=[])
+    real = worker_mod.Worker._image
+
+    def slow(self, job, start):
+        g.ran.append(job.seed)
+        g.started.set()
+        g.gate.wait(60)
+        return real(self, job, start)
+
+    monkeypatch.setattr(worker_mod.Worker, "_image", slow)
+    return g
+
+
 def _body(model="flux", **kw):
     body = {"model": model, "prompt": "a cat", "size": "32x32", "steps": 2, "seed": 0}
     if model == "flux":
@@ -267,23 +288,12 @@ def test_a_token_guards_everything_but_the_probes(store):
         assert r.status_code == 200
 
 
-def test_a_request_past_its_time_limit_gets_504_and_its_queued_job_never_runs(store, monkeypatch):
-    from nostall.serve import worker as worker_mod
+def test_a_request_past_its_time_limit_gets_504_and_its_queued_job_never_runs(store, gated):
     from nostall.serve.app import create_app
     from nostall.serve.local import BackgroundServer
     from nostall.serve.worker import Worker
 
-    started, gate = threading.Event(), threading.Event()
-    real = worker_mod.Worker._image
-    ran = []
-
-    def slow(self, job, start):
-        ran.append(job.seed)
-        started.set()
-        gate.wait(60)
-        return real(self, job, start)
-
-    monkeypatch.setattr(worker_mod.Worker, "_image", slow)
+    started, gate, ran = gated.started, gated.gate, gated.ran
     worker = Worker(store, device="cpu", gpu_budget=64 << 20, host_budget=64 << 20, prepare=False)
     with BackgroundServer(create_app(worker, time_limit=1.0)) as server:
         results = {}
@@ -338,17 +348,9 @@ def test_unknown_model_is_404_listing_the_models(shared_server):
     assert "flux-pro" in err["message"] and set(err["models"]) == {"flux", "sdxl", "sd3", "wan"}
 
 
-def test_a_full_queue_answers_429_and_every_accepted_request_is_served(serve, monkeypatch):
-    from nostall.serve import worker as worker_mod
+def test_a_full_queue_answers_429_and_every_accepted_request_is_served(serve, gated):
 
-    gate = threading.Event()
-    real = worker_mod.Worker._image
-
-    def slow(self, job, start):
-        gate.wait(60)
-        return real(self, job, start)
-
-    monkeypatch.setattr(worker_mod.Worker, "_image", slow)
+    gate = gated.gate
     server, _ = serve(max_queue=2, prepare=False)
     results: list[httpx.Response] = []
 
@@ -427,18 +429,9 @@ def test_video_decode_returns_an_mp4_of_the_latents(serve, store):
     assert bad.status_code == 422
 
 
-def test_shutdown_finishes_the_running_job_and_fails_the_queued(serve, monkeypatch):
-    from nostall.serve import worker as worker_mod
+def test_shutdown_finishes_the_running_job_and_fails_the_queued(serve, gated):
 
-    started, gate = threading.Event(), threading.Event()
-    real = worker_mod.Worker._image
-
-    def slow(self, job, start):
-        started.set()
-        gate.wait(60)
-        return real(self, job, start)
-
-    monkeypatch.setattr(worker_mod.Worker, "_image", slow)
+    started, gate = gated.started, gated.gate
     server, worker = serve(prepare=False)
     results = {}
 
@@ -463,20 +456,9 @@ def test_shutdown_finishes_the_running_job_and_fails_the_queued(serve, monkeypat
     assert results[1].status_code == 200  # the running job finished
 
 
-def test_a_client_that_leaves_while_queued_is_skipped(serve, monkeypatch, caplog):
-    from nostall.serve import worker as worker_mod
+def test_a_client_that_leaves_while_queued_is_skipped(serve, gated, monkeypatch, caplog):
 
-    started, gate = threading.Event(), threading.Event()
-    real = worker_mod.Worker._image
-    ran = []
-
-    def slow(self, job, start):
-        ran.append(job.seed)
-        started.set()
-        gate.wait(60)
-        return real(self, job, start)
-
-    monkeypatch.setattr(worker_mod.Worker, "_image", slow)
+    started, gate, ran = gated.started, gated.gate, gated.ran
     caplog.set_level(logging.INFO, logger="nostall")
     server, worker = serve(prepare=False)
     gone: list[threading.Event] = []  # per submitted job: set when its client has left

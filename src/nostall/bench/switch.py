@@ -164,6 +164,19 @@ class _Bench:
         cache.prepare()
         return cache
 
+    def best_host_switch(self, cache, name: str, repeat: int = 3):
+        """The fastest of ``repeat`` switches of ``name`` with the GPU tier emptied first
+        (the host tier holds it), and the last denoise's seconds."""
+        best = None
+        for _ in range(repeat):
+            cache.evict("gpu")
+            with cache.use(name) as pipe:
+                report = cache.last_report
+                if best is None or report.total_s < best.total_s:
+                    best = report
+                run_s = self.run(pipe, name)
+        return best, run_s
+
     def run(self, pipe, name, **kw) -> float:
         kw.setdefault("steps", self.cfg["steps"])
         kw.setdefault("res", self.cfg["res"])
@@ -187,15 +200,7 @@ class _Bench:
                     )
                 out["passes"].append({"scenario": scenario, "steps": steps})
             for name in ("flux", "sdxl"):
-                cache.evict("gpu")
-                best = None
-                for _ in range(3):
-                    cache.evict("gpu")
-                    with cache.use(name) as pipe:
-                        report = cache.last_report
-                        if best is None or report.total_s < best.total_s:
-                            best = report
-                        run_s = self.run(pipe, name)
+                best, run_s = self.best_host_switch(cache, name)
                 out[f"{name}_whole_from_host"] = {"switch": best.as_dict(), "denoise_s": run_s}
                 self.log(
                     f"  {name} whole pipeline from the host tier: {best.total_s:.3f} s "
@@ -418,14 +423,7 @@ class _Bench:
         for label, root, name in (("bf16", self.folder, "flux"), ("fp8", fp8_root, "flux8")):
             with self.cache(root=root, dtype=torch.bfloat16) as cache:
                 cache.pipeline(name)  # read once: the host tier holds it
-                best = None
-                for _ in range(3):
-                    cache.evict("gpu")
-                    with cache.use(name) as pipe:
-                        report = cache.last_report
-                        if best is None or report.total_s < best.total_s:
-                            best = report
-                        run_s = self.run(pipe, name)
+                best, run_s = self.best_host_switch(cache, name)
                 out[label] = {"switch": best.as_dict(), "denoise_s": run_s}
                 self.log(
                     f"  {label} FLUX whole pipeline from the host tier: {best.total_s:.3f} s, "
