@@ -74,10 +74,20 @@ def _serve(tmp_path, out, *parts, extra=()):
 
 def test_every_part_of_the_real_size_run_works_at_tiny_size_in_two_commands(tmp_path):
     out = tmp_path / "serve.json"
-    first = _serve(tmp_path, out, "peer", "stream")
+    first = _serve(tmp_path, out, "peer", "stream", "stream-batched", extra=["--batch", "3"])
     assert first.exit_code == 0, first.output
     report = json.loads(out.read_text())
     peer, stream = report["results"]["peer"], report["results"]["stream"]
+    batched = report["results"]["stream-batched"]
+    assert stream["batch"] == 1 and batched["batch"] == 3 and report["config"]["batch"] == 3
+    assert batched["answered_200"] == 6 and batched["wrong_images"] == 0
+    for r in (stream, batched):  # every request once in the per-pipeline summary
+        assert sum(m["requests"] for m in r["by_model"].values()) == 6
+        for m in r["by_model"].values():
+            sizes = {int(k): n for k, n in m["requests_per_call"].items()}
+            assert sum(k * n for k, n in sizes.items()) == m["requests"]
+            assert m["median_s"]["denoise"] > 0
+    assert set(stream["by_model"]["flux"]["requests_per_call"]) == {"1"}  # batch 1: alone
     assert peer["answered_200"] == 6 and peer["mode"] in ("to", "from_pretrained")
     assert set(peer["probe"]) == {"to", "from_pretrained", "faster"}
     assert peer["references"]["count"] == 6  # one image per request: the references
@@ -87,7 +97,8 @@ def test_every_part_of_the_real_size_run_works_at_tiny_size_in_two_commands(tmp_
     assert 0 < stream["gpu_busy_share"] <= 1 and stream["p99_over_p50"] >= 1
     assert report["targets"]["full_worker_lost_or_mixed_up"]["met"] is True
     ratio = report["targets"]["full_throughput_vs_diffusers_worker"]["value"]
-    assert ratio == pytest.approx(stream["throughput_per_s"] / peer["throughput_per_s"])
+    assert ratio == pytest.approx(batched["throughput_per_s"] / peer["throughput_per_s"])
+    assert report["targets"]["full_gpu_busy_share"]["value"] == batched["gpu_busy_share"]
 
     # Two references swapped on disk: every later stream must find exactly those two wrong.
     refs = peer["references"]["folder"]
@@ -100,8 +111,8 @@ def test_every_part_of_the_real_size_run_works_at_tiny_size_in_two_commands(tmp_
     assert second.exit_code == 0, second.output
     report = json.loads(out.read_text())
     res, t = report["results"], report["targets"]
-    assert set(res) == {"peer", "stream", "stream-embed", "stream-embed-process", "soak",
-                        "prefetch"}  # fmt: skip
+    assert set(res) == {"peer", "stream", "stream-batched", "stream-embed",
+                        "stream-embed-process", "soak", "prefetch"}  # fmt: skip
     assert set(t) == TINY_TARGETS | FULL_TARGETS
     for name in ("stream-embed", "stream-embed-process"):
         r = res[name]

@@ -10,6 +10,8 @@ SDXL and SD3-medium with ``--size full`` on one H200, tiny ones on a CPU for CI.
   (:mod:`nostall.bench.references`: a wrong image counts as mixed up); throughput,
   p50/p99 latency, and the GPU's busy share: the worker's CUDA-event-timed denoise and
   decode of each job, summed, over the stream's wall time.
+* ``stream-batched``: the same with the worker batching like requests
+  (``Policy(batch=run.batch)``; every other part runs the default, one request per call).
 * ``stream-embed``: the same with the embedding service in this process (one device
   budget for both where this nostall has one); ``stream-embed-process``: with the
   service as a separate ``nostall embed-server`` process on the same device, its
@@ -50,7 +52,8 @@ __all__ = [
     "write_full_store",
 ]
 
-FULL_PARTS = ("peer", "stream", "stream-embed", "stream-embed-process", "soak", "prefetch")
+FULL_PARTS = ("peer", "stream", "stream-batched", "stream-embed", "stream-embed-process", "soak",
+              "prefetch")  # fmt: skip
 PIPELINES = ("flux", "sdxl", "sd3")
 _WARM_SEED = 1_000_000  # warm-up and settling requests: seeds the stream never uses
 
@@ -71,6 +74,7 @@ class Run:
     stream: list[tuple[str, int]]
     drive: Callable[..., dict[str, Any]]
     log: Callable[[str], None]
+    batch: int = 8  # the stream-batched part's batch cap
 
     @property
     def refs(self) -> str:
@@ -296,18 +300,41 @@ def _busy_s(ok: list[dict]) -> float:
     return float(sum(denoise + decode for _, denoise, decode in jobs))
 
 
-def stream_part(run: Run, embed: str | None = None) -> dict[str, Any]:
+def _by_model(ok: list[dict]) -> dict[str, dict[str, Any]]:
+    """Per pipeline: its jobs' median phases (each job once), and how many requests ran
+    in batches of each size: where a stream's time went."""
+    jobs: dict[str, dict[tuple, dict]] = {}
+    for a in ok:
+        p = a["body"]["nostall"]["phases"]
+        key = (p.get("denoise", 0.0), p.get("decode", 0.0), p.get("switch", 0.0))
+        jobs.setdefault(a["model"], {}).setdefault(key, {"phases": p, "requests": 0})
+        jobs[a["model"]][key]["requests"] += 1
+    out: dict[str, dict[str, Any]] = {}
+    for model, runs in sorted(jobs.items()):
+        phases = [r["phases"] for r in runs.values()]
+        names = sorted({k for p in phases for k in p if k not in ("queue", "total")})
+        out[model] = {
+            "requests": sum(r["requests"] for r in runs.values()),
+            "calls": len(runs),
+            "requests_per_call": dict(Counter(str(r["requests"]) for r in runs.values())),
+            "median_s": {k: float(np.median([p.get(k, 0.0) for p in phases])) for k in names},
+        }
+    return out
+
+
+def stream_part(run: Run, embed: str | None = None, *, batch: int = 1) -> dict[str, Any]:
     """The stream through the worker: alone (``embed`` None), with the embedding service
-    ``"in-process"`` or in a separate ``"process"``."""
+    ``"in-process"`` or in a separate ``"process"``; ``batch``: the worker's batch cap."""
     import httpx
 
     from nostall.serve.app import create_app
     from nostall.serve.local import BackgroundServer
+    from nostall.serve.schedule import Policy
     from nostall.serve.worker import Worker
 
     refs = references.load(run.refs, run.refs_meta)
     budget = _one_budget(run.device) if embed == "in-process" else {}
-    out: dict[str, Any] = {"embedding_service": embed}
+    out: dict[str, Any] = {"embedding_service": embed, "batch": batch}
     with contextlib.ExitStack() as stack:
         url = None
         if embed == "in-process":
@@ -320,7 +347,7 @@ def stream_part(run: Run, embed: str | None = None) -> dict[str, Any]:
         if url:
             out["encoders_warmed"] = _warm_encoders(url)
         worker = Worker(run.store, device=run.device, max_queue=run.clients, embed_url=url,
-                        **budget)  # fmt: skip
+                        schedule=Policy(batch=batch), **budget)  # fmt: skip
         with BackgroundServer(create_app(worker)) as srv:
             names = [n for n in PIPELINES if n in worker.names()]
             out["warm_up"] = _warm_up(srv.url, run, names)
@@ -345,9 +372,11 @@ def stream_part(run: Run, embed: str | None = None) -> dict[str, Any]:
     out["gpu_busy_s"] = _busy_s(served)
     out["gpu_busy_share"] = out["gpu_busy_s"] / res["wall_s"]
     out["p99_over_p50"] = float(np.percentile(lat, 99) / np.percentile(lat, 50)) if lat else None
+    out["by_model"] = _by_model(served)
     out["worker"] = {k: status.get(k) for k in ("device", "gpu", "host", "budget", "unavailable")}
     run.log(
-        f"worker{f' + embedding service ({embed})' if embed else ''}: "
+        f"worker{f' + embedding service ({embed})' if embed else ''}"
+        f"{f', batches up to {batch}' if batch > 1 else ''}: "
         f"{res['answered_200']}/{res['requests']} answered, {res['mixed_up']} mixed up, "
         f"{out['wrong_images']} wrong images"
         f"{'' if images['checked'] else ' (images not checked: ' + images['why'] + ')'}, "

@@ -208,15 +208,16 @@ def bench_serve(
         "tiny",
         help="tiny (random tiny FLUX/SDXL/SD3, seconds on a CPU; parts worker, fleet, embed) "
         "or full (real-size FLUX.1-dev, SDXL and SD3-medium, 47 GB written under --work; "
-        "parts peer, stream, stream-embed, stream-embed-process, soak, prefetch).",
+        "parts peer, stream, stream-batched, stream-embed, stream-embed-process, soak, "
+        "prefetch).",
     ),
     models: str = typer.Option(None, help="Pipeline store (default: written, see --size)."),
     device: str = device_option(_DEVICE),
     part: list[str] = typer.Option(  # noqa: B008
         None,
         "--part",
-        help="Parts to run (repeatable): worker, fleet, embed, peer, stream, stream-embed, "
-        "stream-embed-process, soak, prefetch. Default: the size's.",
+        help="Parts to run (repeatable): worker, fleet, embed, peer, stream, stream-batched, "
+        "stream-embed, stream-embed-process, soak, prefetch. Default: the size's.",
     ),
     clients: int = typer.Option(
         16, callback=in_range(1), help="Concurrent clients of the worker and the fleet."
@@ -245,6 +246,12 @@ def bench_serve(
         "auto",
         help="How the diffusers peer switches: to (pipelines in CPU memory, .to()), "
         "from_pretrained (per switch) or auto (the faster of one round of each).",
+    ),
+    batch: int = typer.Option(
+        8,
+        callback=in_range(1),
+        help="The stream-batched part's batch cap (the worker's --batch); the other parts "
+        "run the worker's default, one request per pipeline call.",
     ),
     work: str = typer.Option(
         None,
@@ -297,6 +304,7 @@ def bench_serve(
             texts_each=texts_each,
             soak_s=soak_s,
             peer_mode=peer_mode,
+            batch=batch,
             work=work,
             log=_log,
             save=lambda r: write_report(r, out, overwrite=True),

@@ -48,7 +48,8 @@ from nostall.errors import (
     UnknownModel,
 )
 from nostall.serve.http import error_response, harden
-from nostall.serve.worker import Cancelled, QueueFull, Result, ShuttingDown, Worker
+from nostall.serve.results import Result
+from nostall.serve.worker import Cancelled, QueueFull, ShuttingDown, Worker
 
 __all__ = ["create_app"]
 

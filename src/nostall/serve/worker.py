@@ -25,7 +25,6 @@ skipped. A failing job fails its own future; the thread carries on.
 from __future__ import annotations
 
 import functools
-import io
 import logging
 import os
 import tempfile
@@ -55,6 +54,7 @@ from nostall.serve.budget import DeviceBudget, is_out_of_memory, unfit, video_on
 from nostall.serve.calls import PhaseClock, batch_arguments, cat_embeds, image_kwargs, sync
 from nostall.serve.lineup import Lineup
 from nostall.serve.requests import Limits, RuleBook, check_image, check_video
+from nostall.serve.results import Result, Settler
 from nostall.serve.schedule import Policy
 from nostall.transfer.loader import resolve_device
 
@@ -90,17 +90,6 @@ class VideoJob:
     fps: float = 16.0
     mode: str = "eager"
     denormalize: bool = False
-
-
-@dataclass
-class Result:
-    """What a job produced: ``body`` (PNG or MP4 bytes), its phases and the switch."""
-
-    body: bytes
-    media_type: str
-    phases: dict[str, float]
-    switch: dict[str, Any]
-    info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(eq=False)  # identity: the scheduler keys its records by ticket
@@ -214,6 +203,7 @@ class Worker:
         self._thread: threading.Thread | None = None
         self._started_at = time.time()
         self._served = 0  # jobs executed, in order (only the worker thread counts)
+        self._settler = Settler()  # image jobs' PNGs, encoded off the worker thread
         # The embedding service, when configured: FLUX, SDXL and SD3 prompts are encoded
         # there (nostall.serve.prompts), the requests start before the switch and run
         # beside it.
@@ -264,6 +254,7 @@ class Worker:
             if self._thread.is_alive():
                 log.warning("the running job did not finish within %.0f s of shutdown", timeout)
             self._thread = None
+        self._settler.close()
         self.cache.close()
         self.budget.release("model cache")
         self._quiet.remove()
@@ -428,7 +419,7 @@ class Worker:
                 log.exception("job for %s failed", t.job.model)
             t.future.set_exception(e)
             return None
-        t.future.set_result(result)
+        self._settler.settle(t.future, result)
         return result
 
     def _prefetch_next(self, current: str | None) -> None:
@@ -471,7 +462,7 @@ class Worker:
             # which the single runs (and their out-of-memory retry) need freed.
             return [self._finish(t) for t in batch]
         for t, result in zip(batch, results, strict=True):
-            t.future.set_result(self._account(t, result, start))
+            self._settler.settle(t.future, self._account(t, result, start))
         return results
 
     def _execute(self, t: _Ticket) -> Result:
@@ -602,15 +593,12 @@ class Worker:
                 switched = time.perf_counter()
                 report = self._switch_report(job.model)
                 image, clock, done = self._generate(pipe, job, None)
-        buf = io.BytesIO()
-        image.save(buf, format="PNG")
         phases = {"switch": switched - start, **_switch_phases(report), **clock.phases(done)}
         if embeds is not None:  # the text phase is the wait for the service after the switch
             phases["text"] = text_wait
             phases["text_service"] = service_s
-        return Result(
-            buf.getvalue(), "image/png", phases, report, {"seed": job.seed, "size": image.size}
-        )
+        info = {"seed": job.seed, "size": image.size}
+        return Result(b"", "image/png", phases, report, info, image=image)  # PNG: Settler
 
     def _images(self, jobs: list[ImageJob], start: float) -> list[Result]:
         """:meth:`_image` for like jobs, in one pipeline call. The embedding service's
@@ -628,10 +616,8 @@ class Worker:
             phases["text"] = text_wait
         results = []
         for job, image in zip(jobs, images, strict=True):
-            buf = io.BytesIO()
-            image.save(buf, format="PNG")
             info = {"seed": job.seed, "size": image.size, "batch": len(jobs)}
-            results.append(Result(buf.getvalue(), "image/png", dict(phases), report, info))
+            results.append(Result(b"", "image/png", dict(phases), report, info, image=image))
         return results
 
     def _generate(
