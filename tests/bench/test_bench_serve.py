@@ -167,3 +167,20 @@ def test_the_image_check_counts_a_swapped_image_and_refuses_alike_references():
     grey = {k: np.full((64, 64, 3), 128, np.uint8) for k in refs}
     assert references.check(answers, grey)["checked"] is False  # cannot tell: not passed
     assert references.check(answers, None)["checked"] is False
+
+
+def test_a_failed_stream_part_leaves_the_targets_to_the_part_that_ran():
+    from nostall.bench.serve import evaluate_targets, stream_targets_from
+
+    ran = {"requests": 64, "lost_or_mixed_up": 0, "throughput_per_s": 2.0,
+           "gpu_busy_share": 0.9, "p99_over_p50": 1.2}  # fmt: skip
+    res = {"peer": {"throughput_per_s": 0.5}, "stream": ran,
+           "stream-batched": {"error": "RuntimeError: uvicorn did not start"}}  # fmt: skip
+    assert stream_targets_from(res) == "stream"
+    t = evaluate_targets({"config": {}, "results": res})
+    assert t["full_worker_lost_or_mixed_up"]["met"] is True
+    assert t["full_throughput_vs_diffusers_worker"]["value"] == 4.0
+    res["stream-batched"] = {**ran, "throughput_per_s": 3.0, "lost_or_mixed_up": 1}
+    t = evaluate_targets({"config": {}, "results": res})
+    assert t["full_throughput_vs_diffusers_worker"]["value"] == 6.0
+    assert t["full_worker_lost_or_mixed_up"]["value"] == 1

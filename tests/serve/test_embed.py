@@ -597,10 +597,10 @@ def test_the_service_serves_an_fp8_t5_folder_as_it_is(store, tmp_path):
     service = EmbeddingService(models, device="cpu").start()
     try:
         out, hits = service.encode("flux8/text_encoder_2", ["a red fox"], 16)
+        t5 = service._by_name["flux8/text_encoder_2"].module
+        assert any(p.dtype == torch.float8_e4m3fn for p in t5.parameters())  # served in FP8
     finally:
         service.shutdown()
-    t5 = service._by_name["flux8/text_encoder_2"].module
-    assert any(p.dtype == torch.float8_e4m3fn for p in t5.parameters())  # served in FP8
     ref, _ = _pipeline_embeds(store, "a red fox")
     got = out["last_hidden_state"]
     assert hits == 0 and got.shape == ref.shape and got.isfinite().all()
@@ -622,3 +622,23 @@ def test_a_worker_and_the_service_in_one_process_read_one_store(store):
         assert EmbeddingService(given, device="cpu").store is given
     finally:
         worker.shutdown()
+
+
+def test_shutdown_gives_back_the_encoders_the_cache_and_the_budget_claim(store):
+    from nostall.serve.budget import DeviceBudget
+    from nostall.serve.embed import EmbeddingService
+
+    budget = DeviceBudget("cpu")
+    service = EmbeddingService(store, device="cpu", budget=budget).start()
+    service.encode("flux/text_encoder", ["a cat"])
+    assert service.stats()["encoders"]["flux/text_encoder"] is True
+    assert len(service.cache) == 1 and "embedding service" in budget.claims()
+    service.shutdown()
+    assert not any(service.stats()["encoders"].values()) and len(service.cache) == 0
+    assert "embedding service" not in budget.claims()
+    service.start()  # started again: claims again, loads again
+    try:
+        assert "embedding service" in budget.claims()
+        assert service.encode("flux/text_encoder", ["a cat"])[1] == 0  # not from the cache
+    finally:
+        service.shutdown()

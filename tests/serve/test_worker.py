@@ -294,3 +294,44 @@ def test_the_next_batchs_pipeline_is_prefetched_once_however_many_ask(worker, ga
         f.result(120)
     assert len(prefetches()) == 1
     assert not [r for r in w.cache.reports if r.prefetch and r.pipeline == "flux"]
+
+
+def _views_of(ptr: int) -> int:
+    """Live tensors whose storage is the one at ``ptr``."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    return sum(
+        1
+        for o in gc.get_objects()
+        if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() == ptr
+    )
+
+
+def test_a_stopped_worker_keeps_no_view_of_its_device_tier(store):
+    """A benchmark (or a test) runs workers one after another in one process: the one
+    before must give its device memory back. FastAPI keeps every endpoint it saw (a
+    module-level cache), so the worker object outlives its app; its cache must not hold
+    the modules whose weights view the tier."""
+    import httpx
+
+    from nostall.serve.app import create_app
+    from nostall.serve.local import BackgroundServer
+    from nostall.serve.worker import Worker
+
+    def run() -> int:
+        worker = Worker(store, device="cpu", gpu_budget=64 << 20, host_budget=64 << 20)
+        with BackgroundServer(create_app(worker)) as srv:
+            for model in ("flux", "sdxl"):
+                body = {"model": model, "prompt": "x", "size": "32x32", "steps": 1, "seed": 1}
+                r = httpx.post(f"{srv.url}/v1/images/generations", json=body, timeout=300)
+                assert r.status_code == 200, r.text
+            stats = worker.cache.stats()
+            assert stats.gpu_bytes > 0
+            ptr = worker.cache.pipeline("flux").transformer.proj_out.weight.untyped_storage()
+            return ptr.data_ptr()
+
+    ptr = run()
+    assert _views_of(ptr) == 0

@@ -64,3 +64,38 @@ def test_a_real_out_of_memory_is_answered_503_and_the_worker_keeps_serving(serve
         again = c.post("/v1/images/generations", json={**body, "size": "512x512"})
         assert again.status_code == 200, again.text
         assert worker.ready
+
+
+def test_a_stopped_worker_and_embedding_service_give_their_device_memory_back(store):
+    """Parts of a benchmark run workers one after another in one process: at real size a
+    worker left 125 GB allocated behind it and the next could not start."""
+    import gc
+
+    from nostall.serve.app import create_app
+    from nostall.serve.budget import DeviceBudget
+    from nostall.serve.embed import EmbeddingService, create_embed_app
+    from nostall.serve.local import BackgroundServer
+    from nostall.serve.worker import Worker
+
+    def settled() -> int:
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_allocated()
+
+    def run() -> None:
+        budget = DeviceBudget("cuda")
+        service = EmbeddingService(store, device="cuda", budget=budget)
+        with BackgroundServer(create_embed_app(service)) as embed:
+            worker = Worker(store, device="cuda", budget=budget, gpu_budget=256 << 20,
+                            embed_url=embed.url)  # fmt: skip
+            with BackgroundServer(create_app(worker)) as srv:
+                body = {"model": "flux", "prompt": "a cat", "size": "32x32", "steps": 1, "seed": 1}
+                r = httpx.post(f"{srv.url}/v1/images/generations", json=body, timeout=300)
+                assert r.status_code == 200, r.text
+                assert torch.cuda.memory_allocated() >= 256 << 20  # the device tier
+        assert budget.claims() == {}  # both gave their claims back
+
+    before = settled()
+    run()
+    assert settled() - before < 8 << 20

@@ -498,11 +498,13 @@ def evaluate_targets(report: dict) -> dict[str, dict]:
     # Throughput, busy share and tail: the batched stream where it ran (batching is the
     # issue's scheduling item), else the default one; stream_targets_from says which.
     peer = res.get("peer", {})
-    plain = [res[p] for p in ("stream", "stream-batched") if p in res]
+    # a part that failed outright says so in its own "error" (its requests never ran)
+    plain = [res[p] for p in ("stream", "stream-batched") if "requests" in res.get(p, {})]
     counts = [x.get("lost_or_mixed_up") for x in plain]
     target("full_worker_lost_or_mixed_up",
            sum(counts) if counts and None not in counts else None, "<=", 0)  # fmt: skip
     embeds = [res[p] for p in ("stream-embed", "stream-embed-process") if p in res]
+    embeds = [x for x in embeds if "requests" in x]
     counts = [x.get("lost_or_mixed_up") for x in embeds]
     target("full_worker_with_embed_lost_or_mixed_up",
            sum(counts) if counts and None not in counts else None, "<=", 0)  # fmt: skip
@@ -524,7 +526,7 @@ def stream_targets_from(results: dict) -> str | None:
     """The stream part the throughput, busy-share and tail targets are read from: the
     batched one where it ran without failing, else the default one (``None``: neither)."""
     for part in ("stream-batched", "stream"):
-        if part in results and "error" not in results[part]:
+        if "requests" in results.get(part, {}):
             return part
     return None
 

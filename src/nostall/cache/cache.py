@@ -285,7 +285,9 @@ class ModelCache:
         return freed
 
     def close(self) -> None:
-        """Stop prefetching, give back the device tier, unpin the host tier. Idempotent."""
+        """Stop prefetching, give back the device tier, unpin the host tier. Idempotent.
+        The device memory is free once nothing outside the cache holds a pipeline or
+        module it handed out (their weights view the tier)."""
         with self._lock:
             if self._closed:
                 return
@@ -294,6 +296,7 @@ class ModelCache:
         with self._switching, self._lock:
             self._tier.close()
             self._pipelines.clear()
+            self._modules.clear()
         self._host.close()
         if self._own_loader:
             self._loader.close()

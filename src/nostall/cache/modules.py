@@ -121,6 +121,12 @@ class Instances:
     def planned(self, digest: str) -> LoadPlan | None:
         return self._plans.get(digest)
 
+    def clear(self) -> None:
+        """Forget every module (their parameters view the device tier: a module kept
+        here keeps the whole tier's memory) and every plan."""
+        self._by_arch.clear()
+        self._plans.clear()
+
     def idle(self, c: ComponentEntry, evictable: Callable[[Slot], bool]) -> list[Instance]:
         """Resident instances of ``c``'s architecture whose slots may be taken."""
         return [

@@ -240,6 +240,7 @@ class EmbeddingService:
                     "give it the budget of its own device"
                 )
             budget.claim("embedding service", self.encoder_bytes)
+        self._budget, self._claimed = budget, budget is not None
         self._queue: list[_Item] = []
         self._cond = threading.Condition()
         self._accepting = False
@@ -254,6 +255,9 @@ class EmbeddingService:
     # ---- lifecycle -------------------------------------------------------------------
 
     def start(self) -> EmbeddingService:
+        if self._budget is not None and not self._claimed:  # started again after a shutdown
+            self._budget.claim("embedding service", self.encoder_bytes)
+            self._claimed = True
         if self._thread is None:
             self._accepting = True
             self._thread = threading.Thread(target=self._run, name="nostall-embed", daemon=True)
@@ -261,12 +265,25 @@ class EmbeddingService:
         return self
 
     def shutdown(self, timeout: float = 60.0) -> None:
+        """Take no more texts, let the batch under way finish, then give back the
+        encoders' device memory, the cached embeddings and the budget's claim (a
+        worker started after it in this process finds them free)."""
         with self._cond:
             self._accepting = False
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("the embedding batch under way did not finish within %.0f s", timeout)
+                return  # its encoders are in use: kept
             self._thread = None
+        for enc in {id(e): e for e in self._by_name.values()}.values():
+            with enc.lock:
+                enc.module = None
+        self.cache.clear()
+        if self._claimed:
+            self._budget.release("embedding service")
+            self._claimed = False
 
     @property
     def ready(self) -> bool:

@@ -70,5 +70,11 @@ class EmbeddingCache:
                 _, (_, out) = self._d.popitem(last=False)
                 self.bytes -= out
 
+    def clear(self) -> None:
+        """Drop every entry (their tensors may be on the device)."""
+        with self._lock:
+            self._d.clear()
+            self.bytes = 0
+
     def __len__(self) -> int:
         return len(self._d)
