@@ -22,6 +22,8 @@ __all__ = [
     "LOAD",
     "LOAD_COLD",
     "MODES",
+    "SERVE",
+    "SERVE_B1",
     "SWITCH",
     "SWITCH_A",
     "SWITCH_B",
@@ -38,6 +40,9 @@ SWITCH_B = "history/switch-lean-f40f06d.json"
 SWITCH = "switch.json"
 FP8 = "fp8.json"
 GPU_CHECK = "gpu-check.json"
+SERVE = "serve.json"
+SERVE_B1 = "history/serve-7d22636.json"  # the unbatched stream (its batched part failed)
+SERVE_FIRST = "history/serve-c92afe5.json"
 
 _LOAD_LABELS = {
     "safetensors load_file": 'safetensors `load_file(device="cuda")`',
@@ -438,6 +443,61 @@ def gpu_checks(doc: Doc) -> str:
     return table(head, rows)
 
 
+_STREAMS = (
+    ("peer", "diffusers worker (peer, `.to()` per switch)"),
+    ("stream", "nostall worker"),
+    ("stream-batched", "nostall worker, `--batch {batch}`"),
+    ("stream-embed", "nostall worker + embedding service in-process"),
+    ("stream-embed-process", "nostall worker + embedding service process"),
+)
+
+
+def serve_streams(doc: Doc) -> str:
+    """The mixed stream through each server, every record's rows against its own peer."""
+    rows = []
+    for name in (SERVE, SERVE_B1):
+        r = doc.rec(name)
+        res, batch = r["results"], r["config"].get("batch")
+        peer = res.get("peer", {}).get("throughput_per_s")
+        for part, label in _STREAMS:
+            s = res.get(part, {})
+            if "requests" not in s:
+                continue
+            tput, busy = s["throughput_per_s"], s.get("gpu_busy_share")
+            wrong = s.get("wrong_images") if s.get("images", {}).get("checked") else None
+            rows.append([f"`{r['commit']}`", label.format(batch=batch),
+                         f"{s['answered_200']}/{s['requests']}", num(wrong),
+                         f"{tput:.3f}", f"{tput / peer:.2f}×" if peer else NA,
+                         secs(s.get("latency_p50_s"), 1), secs(s.get("latency_p99_s"), 1),
+                         NA if busy is None else f"{busy:.1%}"])  # fmt: skip
+    head = ["run", "server", "answered", "wrong images", "req/s", "vs peer", "p50", "p99",
+            "GPU busy"]  # fmt: skip
+    return "\n".join([table(head, rows), "", provenance(doc, SERVE), "",
+                      provenance(doc, SERVE_B1, "Unbatched stream")])  # fmt: skip
+
+
+def serve_by_model(doc: Doc) -> str:
+    """Where the worker's time went: each pipeline's median call, per stream part."""
+    rows = []
+    for name in (SERVE, SERVE_B1):
+        r = doc.rec(name)
+        for part, label in _STREAMS[1:]:
+            for model, m in r["results"].get(part, {}).get("by_model", {}).items():
+                med = m["median_s"]
+                per = max(1.0, m["requests"] / m["calls"])
+                rows.append([f"`{r['commit']}`", label.format(batch=r["config"].get("batch")),
+                             model, f"{m['requests']} / {m['calls']}",
+                             *(secs(med.get(k), 3) for k in ("text", "denoise", "decode")),
+                             secs(med.get("denoise", 0.0) / per, 3)])  # fmt: skip
+    head = ["run", "server", "pipeline", "requests / calls", "text", "denoise", "decode",
+            "denoise per image"]  # fmt: skip
+    return table(head, rows)
+
+
+def serve_targets(doc: Doc) -> str:
+    return targets_table(doc, [SERVE, SERVE_B1, SERVE_FIRST])
+
+
 BLOCKS: dict[str, Callable[[Doc], str]] = {
     "load-warm": load_warm,
     "load-cold": load_cold,
@@ -455,4 +515,7 @@ BLOCKS: dict[str, Callable[[Doc], str]] = {
     "decode-modes-targets": decode_modes_targets,
     "fp8": fp8,
     "fp8-targets": fp8_targets,
+    "serve-streams": serve_streams,
+    "serve-by-model": serve_by_model,
+    "serve-targets": serve_targets,
 }

@@ -16,6 +16,7 @@ from nostall.bench.blocks import (
     LOAD,
     LOAD_COLD,
     MODES,
+    SERVE,
     SWITCH_A,
     SWITCH_B,
     peer_times,
@@ -171,6 +172,19 @@ def readme_two_gpus(doc: Doc) -> str:
     return f"{doc.rec(MODES)['results']['bf16']['devices']['speedup']:.2f}× one GPU"
 
 
+def readme_serve(doc: Doc) -> str:
+    res = doc.rec(SERVE)["results"]
+    peer, batched = res["peer"], res["stream-batched"]
+    n = batched["requests"]
+    return (
+        f"{batched['answered_200']}/{n} requests answered and none mixed up, at "
+        f"{batched['throughput_per_s'] / peer['throughput_per_s']:.1f}x the throughput of a "
+        f"plain diffusers worker in the same run ({batched['throughput_per_s']:.2f} against "
+        f"{peer['throughput_per_s']:.2f} req/s, p99 {batched['latency_p99_s']:.1f} s against "
+        f"{peer['latency_p99_s']:.1f} s)"
+    )
+
+
 def readme_fp8(doc: Doc) -> str:
     res = doc.rec(FP8)["results"]
     b, hit, fwd, comp = res["bytes"], res["loads"]["switch_hit_s"], res["forward"], res["compile"]
@@ -191,4 +205,5 @@ BLOCKS: dict[str, Callable[[Doc], str]] = {
     "readme-modes": readme_modes,
     "readme-two-gpus": readme_two_gpus,
     "readme-fp8": readme_fp8,
+    "readme-serve": readme_serve,
 }
