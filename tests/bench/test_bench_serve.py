@@ -64,8 +64,8 @@ def test_tiny_serve_bench_runs_from_the_cli(tmp_path):
 
 
 def _serve(tmp_path, out, *parts, extra=()):
-    args = ["bench", "serve", "--device", "cpu", "--requests", "6", "--clients", "3",
-            "--resolution", "32", "--steps", "2", "--soak-s", "3", "--work",
+    args = ["bench", "serve", "--device", "cpu", "--requests", "4", "--clients", "3",
+            "--resolution", "32", "--steps", "2", "--soak-s", "2", "--work",
             str(tmp_path / "work"), "--out", str(out), *extra]  # fmt: skip
     for p in parts:
         args += ["--part", p]
@@ -80,18 +80,18 @@ def test_every_part_of_the_real_size_run_works_at_tiny_size_in_two_commands(tmp_
     peer, stream = report["results"]["peer"], report["results"]["stream"]
     batched = report["results"]["stream-batched"]
     assert stream["batch"] == 1 and batched["batch"] == 3 and report["config"]["batch"] == 3
-    assert batched["answered_200"] == 6 and batched["wrong_images"] == 0
+    assert batched["answered_200"] == 4 and batched["wrong_images"] == 0
     for r in (stream, batched):  # every request once in the per-pipeline summary
-        assert sum(m["requests"] for m in r["by_model"].values()) == 6
+        assert sum(m["requests"] for m in r["by_model"].values()) == 4
         for m in r["by_model"].values():
             sizes = {int(k): n for k, n in m["requests_per_call"].items()}
             assert sum(k * n for k, n in sizes.items()) == m["requests"]
             assert m["median_s"]["denoise"] > 0
     assert set(stream["by_model"]["flux"]["requests_per_call"]) == {"1"}  # batch 1: alone
-    assert peer["answered_200"] == 6 and peer["mode"] in ("to", "from_pretrained")
+    assert peer["answered_200"] == 4 and peer["mode"] in ("to", "from_pretrained")
     assert set(peer["probe"]) == {"to", "from_pretrained", "faster"}
-    assert peer["references"]["count"] == 6  # one image per request: the references
-    assert stream["answered_200"] == 6 and stream["images"]["checked"] is True
+    assert peer["references"]["count"] == 4  # one image per request: the references
+    assert stream["answered_200"] == 4 and stream["images"]["checked"] is True
     assert stream["wrong_images"] == 0 and stream["lost_or_mixed_up"] == 0
     assert stream["images"]["references_min"] > 5  # the seeds' images tell apart
     assert 0 < stream["gpu_busy_share"] <= 1 and stream["p99_over_p50"] >= 1
@@ -116,7 +116,7 @@ def test_every_part_of_the_real_size_run_works_at_tiny_size_in_two_commands(tmp_
     assert set(t) == TINY_TARGETS | FULL_TARGETS
     for name in ("stream-embed", "stream-embed-process"):
         r = res[name]
-        assert r["answered_200"] == 6 and r["mixed_up"] == 0 and r["texts_encoded"] > 0, r
+        assert r["answered_200"] == 4 and r["mixed_up"] == 0 and r["texts_encoded"] > 0, r
         assert sorted(f"{w['model']}-{w['seed']}.png" for w in r["images"]["wrong"]) == [a, b]
         assert r["lost_or_mixed_up"] == 2
     assert res["stream-embed"]["embedding_service"] == "in-process"
