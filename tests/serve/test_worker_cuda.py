@@ -96,9 +96,12 @@ def test_a_stopped_worker_and_embedding_service_give_their_device_memory_back(st
                 body = {"model": "flux", "prompt": "a cat", "size": "32x32", "steps": 1, "seed": 1}
                 r = httpx.post(f"{srv.url}/v1/images/generations", json=body, timeout=300)
                 assert r.status_code == 200, r.text
-                assert torch.cuda.memory_allocated() >= 256 << 20  # the device tier
+                assert torch.cuda.memory_allocated() >= 1 << 30  # the device tier
         assert budget.claims() == {}  # both gave their claims back
 
     before = settled()
     run()
-    assert settled() - before < 8 << 20
+    # What may stay: cuBLAS's workspace for each new thread that ran a matmul (32 MiB on
+    # an H200; torch keeps them for the process): not the 1 GiB tier, nor the encoders.
+    # (Measured on the H200: 33 MiB stayed.)
+    assert settled() - before < 96 << 20
