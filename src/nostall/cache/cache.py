@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from nostall.adapters import Fusions, Shelf, check_fits, lora_weights
+from nostall.adapters.lora import ROLES as LORA_ROLES
 from nostall.cache import placement
 from nostall.cache.device import DeviceTier, Slot
 from nostall.cache.holds import Hold, Holds
@@ -138,6 +140,9 @@ class ModelCache:
         self._switching = threading.Lock()
         self._modules = Instances(dtype, mirror_file=self.device.type == "cpu")
         self._holds = Holds()
+        # LoRAs: read from <store>/loras (or paths), fused into resident modules per use()
+        self._shelf = Shelf(os.path.join(self.store.root, "loras") if self.store.root else None)
+        self._fusions = Fusions(wait_s)
         self._protected: set[str] = set()  # prefetched, not used yet
         self._current: set[str] = set()  # the last pipeline handed out without use()
         self._roles: dict[str, set[tuple[str, str]]] = {}  # digest -> {(pipeline, role)}
@@ -160,10 +165,18 @@ class ModelCache:
         :meth:`use` where other switches may happen meanwhile. ``without``: as in
         :meth:`use`.
         """
-        return self._switch(name, mode="pipeline", without=without)[0]
+        pipe = self._switch(name, mode="pipeline", without=without)[0]
+        self._fusions.leave(self._fusions.enter(_adaptable(pipe), []))  # the base's weights
+        return pipe
 
     @contextlib.contextmanager
-    def use(self, name: str, *, without: Iterable[str] = ()) -> Iterator[Any]:
+    def use(
+        self,
+        name: str,
+        *,
+        without: Iterable[str] = (),
+        loras: Mapping[str, float] | Iterable[tuple[str, float]] | None = None,
+    ) -> Iterator[Any]:
         """Switch to ``name`` and hold it: nothing of it is evicted inside the block.
 
         The block may end on another thread than the one that entered it (as with
@@ -173,16 +186,47 @@ class ModelCache:
         the pipeline gets ``None`` for them, as diffusers allows. A worker whose prompts
         are encoded elsewhere leaves out the text encoders and passes ``prompt_embeds``.
 
+        ``loras``: ``{name: weight}`` (or ``[(name, weight)]``), fused into the
+        pipeline's resident weights for the block (:mod:`nostall.adapters`); a name is
+        ``<store>/loras/<name>.safetensors`` or a path. Without them the pipeline is the
+        base, bit for bit, whatever an earlier block fused. Blocks that want other LoRAs
+        on the same modules wait for each other; the weights never mix.
+
         >>> with cache.use("sdxl") as pipe:  # doctest: +SKIP
+        ...     image = pipe("a lighthouse").images[0]
+        >>> with cache.use("flux", loras={"ghibli": 0.8, "detail": 0.4}) as pipe:  # doctest: +SKIP
         ...     image = pipe("a lighthouse").images[0]
         >>> with cache.use("flux", without=["text_encoder", "text_encoder_2"]) as pipe:  # doctest: +SKIP
         ...     image = pipe(prompt_embeds=t5, pooled_prompt_embeds=clip).images[0]
         """
+        wanted = lora_weights(loras)  # checked before anything moves
         pipe, _, hold = self._switch(name, mode="use", without=without)
+        entered: list[Any] = []
         try:
+            entered = self._attach(name, pipe, wanted, _roles(without))
             yield pipe
         finally:
+            self._fusions.leave(entered)
             self._release(hold)
+
+    def _attach(
+        self, name: str, pipe: Any, wanted: list[tuple[str, float]], without: frozenset[str]
+    ) -> list[Any]:
+        """Fuse ``wanted`` into ``pipe``'s modules (or restore their base); the modules
+        entered, for :meth:`Fusions.leave`."""
+        modules = _adaptable(pipe)
+        cls = self.store.entry(name).class_name
+        loras = [(self._shelf.get(n, cls), w) for n, w in wanted]
+        for lora, _ in loras:
+            left = sorted(set(lora.roles) & set(without))
+            if left:
+                raise ArgumentError(
+                    f"LoRA {lora.name!r} adapts {', '.join(left)}, which this switch leaves "
+                    "out (prompts encoded elsewhere would not see it); use it with them",
+                    field="loras",
+                )
+            check_fits(lora, modules)
+        return self._fusions.enter(modules, loras)
 
     def prefetch(self, name: str, *, without: Iterable[str] = ()) -> Future[SwitchReport]:
         """Move ``name``'s missing components to the device now, on the copy stream, while
@@ -297,6 +341,7 @@ class ModelCache:
             self._tier.close()
             self._pipelines.clear()
             self._modules.clear()
+            self._fusions.clear()
         self._host.close()
         if self._own_loader:
             self._loader.close()
@@ -358,6 +403,7 @@ class ModelCache:
                     if hold is not None:
                         self._release_locked(hold, record=False)
                 raise
+            self._fusions.reloaded(mv.inst.module for mv in moves)  # base bytes again
             with self._lock:
                 for mv in moves:
                     mv.slot.ready = True
@@ -590,6 +636,16 @@ class ModelCache:
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("the model cache is closed; create a new ModelCache")
+
+
+def _adaptable(pipe: Any) -> dict[str, torch.nn.Module]:
+    """The modules of ``pipe`` a LoRA may adapt, by role."""
+    out = {}
+    for role in LORA_ROLES:
+        m = getattr(pipe, role, None)
+        if isinstance(m, torch.nn.Module):
+            out[role] = m
+    return out
 
 
 def _roles(without: Iterable[str]) -> frozenset[str]:

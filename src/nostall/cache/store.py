@@ -171,6 +171,7 @@ class Store:
         cache_dir: str | os.PathLike | bool | None = None,
     ):
         self.variant = variant
+        self.root: str | None = None  # the folder of pipeline folders, when given one
         if isinstance(models, Mapping):
             self._folders = {str(k): os.fspath(v) for k, v in models.items()}
             for name, folder in self._folders.items():
@@ -181,7 +182,7 @@ class Store:
                         path=folder,
                     )
         else:
-            root = os.fspath(models)
+            root = self.root = os.fspath(models)
             if not os.path.isdir(root):
                 raise CheckpointError(
                     "the model store is not a folder; pass a folder of pipeline folders or a "

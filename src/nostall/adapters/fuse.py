@@ -1,0 +1,167 @@
+"""LoRAs fused into the weights of resident modules, and the base restored bit for bit.
+
+A fused LoRA costs nothing per step (the forward is the base's, with other weights) and
+keeps a compiled graph valid: the weights change in place, their storage does not. For
+each weight it changes, :class:`Fusions` keeps a copy of the base bytes on the weight's
+own device; switching to other LoRAs restores those bytes and fuses the new ones
+(``W = W0 + Σ weight · scale · B @ A``, summed in float32 and rounded once), so the base
+comes back exactly, whatever was fused before.
+
+Callers that run a module take its state with :meth:`Fusions.enter` and give it back
+with :meth:`Fusions.leave`: a module whose users want other LoRAs waits until they have
+left (two requests never mix adapters), and a module the model cache reloads from its
+tiers is base again (:meth:`Fusions.reloaded`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nostall.adapters.lora import Lora, LoraLayer
+
+__all__ = ["Fusions", "Wanted"]
+
+# what one module should hold: ((lora path, lora identity, weight), ...) in order
+Wanted = tuple[tuple[str, Any, float], ...]
+_CHANGING: Any = (("<changing>", None, 0.0),)  # a state no caller wants
+
+
+@dataclass(eq=False)
+class _State:
+    module: torch.nn.Module
+    applied: Wanted = ()
+    users: int = 0
+    base: dict[str, torch.Tensor] = field(default_factory=dict)  # weight name -> base bytes
+
+
+class Fusions:
+    """The fused state of every module LoRAs were fused into. Thread-safe."""
+
+    def __init__(self, wait_s: float = 600.0):
+        self.wait_s = wait_s
+        self._states: dict[int, _State] = {}
+        self._cond = threading.Condition()
+
+    def _state(self, module: torch.nn.Module) -> _State:
+        st = self._states.get(id(module))
+        if st is None or st.module is not module:
+            st = self._states[id(module)] = _State(module)
+        return st
+
+    def enter(
+        self, modules: dict[str, torch.nn.Module], loras: list[tuple[Lora, float]]
+    ) -> list[torch.nn.Module]:
+        """Make each of ``modules`` (role → module) hold exactly the layers of ``loras``
+        (with their weights) for its role, and count the caller as a user of each; returns
+        the modules to :meth:`leave`. Waits while other users hold a module in another
+        state."""
+        by_role: dict[str, list[tuple[LoraLayer, float]]] = {}
+        wanted: dict[str, list[tuple[str, Any, float]]] = {}
+        for lora, w in loras:
+            for x in lora.layers:
+                by_role.setdefault(x.role, []).append((x, w))
+            for role in lora.roles:
+                wanted.setdefault(role, []).append((lora.path, id(lora), float(w)))
+        entered: list[torch.nn.Module] = []
+        try:
+            for role, module in sorted(modules.items()):
+                want = tuple(wanted.get(role, ()))
+                st, change = self._take(module, want)
+                entered.append(module)
+                if change:
+                    self._change(st, want, by_role.get(role, []))
+        except BaseException:
+            self.leave(entered)
+            raise
+        return entered
+
+    def _take(self, module: torch.nn.Module, want: Wanted) -> tuple[_State, bool]:
+        """Count the caller as a user of ``module``; whether it must change its state
+        (then no one else uses it until :meth:`_change` is done)."""
+        with self._cond:
+            st = self._state(module)
+            if not self._cond.wait_for(
+                lambda: st.users == 0 or st.applied == want, timeout=self.wait_s
+            ):
+                from nostall.errors import BusyError
+
+                raise BusyError(
+                    f"{type(module).__name__} stayed in use with other LoRAs for "
+                    f"{self.wait_s:.0f} s"
+                )
+            st.users += 1
+            if st.applied == want:
+                return st, False
+            st.applied = _CHANGING  # matches no one's wish: later callers wait
+            return st, True
+
+    def _change(self, st: _State, want: Wanted, layers: list[tuple[LoraLayer, float]]) -> None:
+        try:
+            _fuse(st, layers)
+            done = want
+        except BaseException:
+            done = _CHANGING if st.base else ()  # half fused: never matches, refused next
+            raise
+        finally:
+            with self._cond:
+                st.applied = done
+                self._cond.notify_all()
+
+    def leave(self, modules: Iterable[torch.nn.Module]) -> None:
+        with self._cond:
+            for m in modules:
+                st = self._states.get(id(m))
+                if st is not None and st.module is m and st.users > 0:
+                    st.users -= 1
+            self._cond.notify_all()
+
+    def reloaded(self, modules: Iterable[torch.nn.Module]) -> None:
+        """``modules`` were just given their base weights again (the cache copied them in
+        from its tiers): nothing is fused in them now."""
+        with self._cond:
+            for m in modules:
+                st = self._states.get(id(m))
+                if st is not None and st.module is m:
+                    st.applied, st.base = (), {}
+
+    def applied(self, module: torch.nn.Module) -> Wanted:
+        with self._cond:
+            st = self._states.get(id(module))
+            return st.applied if st is not None and st.module is module else ()
+
+    def clear(self) -> None:
+        with self._cond:
+            self._states.clear()
+
+
+@torch.no_grad()
+def _fuse(st: _State, layers: list[tuple[LoraLayer, float]]) -> None:
+    """Restore the base bytes, then fuse ``layers`` (the caller is the only user)."""
+    module = st.module
+    for name, base in list(st.base.items()):
+        module.get_parameter(name).copy_(base)
+        del st.base[name]
+    grouped: dict[str, list[tuple[LoraLayer, float]]] = {}
+    for x, w in layers:
+        grouped.setdefault(x.module, []).append((x, w))
+    for name, items in grouped.items():
+        sub = module.get_submodule(name)
+        for attr in ("weight", "bias"):
+            param = getattr(sub, attr, None)
+            parts = [(x, w) for x, w in items if attr == "weight" or x.bias is not None]
+            if param is None or not parts:
+                continue
+            base = param.detach().clone()
+            acc = base.to(torch.float32, copy=True)  # (a float32 weight: not the same tensor)
+            for x, w in parts:
+                if attr == "weight":
+                    acc += w * x.delta(device=acc.device)
+                else:
+                    acc += (w * x.scale) * x.bias.to(acc.device, torch.float32)
+            st.base[f"{name}.{attr}"] = base
+            param.copy_(acc.to(param.dtype))

@@ -1,0 +1,264 @@
+"""LoRA files read into per-layer low-rank factors and scales, in any format diffusers
+converts (diffusers/PEFT keys, kohya sd-scripts, the community FLUX formats), and checked
+against the modules they adapt.
+
+The file is read and validated by nostall (:func:`nostall.api.load_state_dict`: a truncated
+or malformed file is a :class:`~nostall.errors.CheckpointError` naming it); diffusers'
+own converter for the pipeline's class (``<Pipeline>.lora_state_dict``) turns the keys
+into diffusers/PEFT names; the scale of each layer follows PEFT's rules: ``alpha / r``
+(``alpha / sqrt(r)`` with rsLoRA), ``alpha`` from the file's adapter metadata
+(``lora_adapter_metadata``: ``lora_alpha``, ``alpha_pattern``), else from its alpha
+tensors (kohya), else ``r`` (scale 1).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nostall.api import load_state_dict
+from nostall.errors import CheckpointError, ModelMismatchError, UnsupportedError
+
+__all__ = ["Lora", "LoraLayer", "check_fits", "read_lora"]
+
+# the pipeline roles a LoRA may adapt, as diffusers prefixes their keys
+ROLES = ("transformer", "unet", "text_encoder", "text_encoder_2", "text_encoder_3")
+_KEY = re.compile(
+    r"^(?P<role>" + "|".join(ROLES) + r")\.(?P<module>.+)\.lora_(?P<ab>A|B)\.(?P<what>weight|bias)$"
+)
+
+
+@dataclass(frozen=True)
+class LoraLayer:
+    """One adapted layer: ``W += weight * scale * up @ down`` (a convolution: over its
+    kernel), and ``bias += weight * scale * bias`` when the LoRA has one."""
+
+    role: str  # the pipeline component: transformer, unet, text_encoder, ...
+    module: str  # its qualified name inside that component
+    down: torch.Tensor  # A: (r, in) or (r, in, kh, kw)
+    up: torch.Tensor  # B: (out, r) or (out, r, 1, 1)
+    scale: float
+    bias: torch.Tensor | None = None
+
+    @property
+    def rank(self) -> int:
+        return int(self.down.shape[0])
+
+    def delta(
+        self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """``scale * up @ down`` in the base weight's shape, computed in ``dtype`` on
+        ``device`` (the factors move there first: they are small, the product is not)."""
+        down, up = self.down.to(device, dtype), self.up.to(device, dtype)
+        if down.ndim == 2:
+            return (up @ down) * self.scale
+        # convolutions: a (r, in, kh, kw) kernel then a 1x1 (out, r): one (out, in, kh, kw)
+        d = (up.flatten(1) @ down.flatten(1)).view(up.shape[0], *down.shape[1:])
+        return d * self.scale
+
+
+@dataclass(frozen=True)
+class Lora:
+    """A LoRA file as layers (:class:`LoraLayer`), for one pipeline class."""
+
+    name: str
+    path: str
+    pipeline_class: str
+    layers: tuple[LoraLayer, ...]
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return tuple(sorted({x.role for x in self.layers}))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            x.down.nbytes + x.up.nbytes + (x.bias.nbytes if x.bias is not None else 0)
+            for x in self.layers
+        )
+
+
+def _pipeline_class(name: str) -> Any:
+    import diffusers
+
+    cls = getattr(diffusers, name, None)
+    if cls is None or not hasattr(cls, "lora_state_dict"):
+        raise UnsupportedError(
+            f"{name} takes no LoRA in this diffusers ({diffusers.__version__}): it has no "
+            "lora_state_dict converter"
+        )
+    return cls
+
+
+def _metadata(path: str) -> dict[str, Any]:
+    """The file's ``lora_adapter_metadata`` (diffusers writes PEFT's LoraConfig there,
+    each key prefixed with its component), or ``{}``."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        raw = (f.metadata() or {}).get("lora_adapter_metadata")
+    if not raw:
+        return {}
+    try:
+        meta = json.loads(raw)
+    except ValueError as e:
+        raise CheckpointError(f"its lora_adapter_metadata is not JSON ({e})", path=path) from e
+    if not isinstance(meta, dict):
+        raise CheckpointError("its lora_adapter_metadata is not a JSON object", path=path)
+    return meta
+
+
+def _pattern(patterns: dict[str, Any], module: str) -> Any:
+    """PEFT's rule for ``rank_pattern`` / ``alpha_pattern``: the first key that matches
+    the end of the module's name at a dot."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return None
+
+
+def read_lora(path: str | os.PathLike, pipeline_class: str, *, name: str | None = None) -> Lora:
+    """The LoRA at ``path`` as layers for ``pipeline_class`` (diffusers' class name, as
+    in ``model_index.json``). Raises :class:`~nostall.errors.CheckpointError` for a file
+    that is not a readable LoRA, :class:`~nostall.errors.UnsupportedError` for a kind
+    nostall cannot fuse (DoRA, LoKr)."""
+    path = os.fspath(path)
+    cls = _pipeline_class(pipeline_class)
+    tensors = load_state_dict(path, device="cpu")  # validated: typed errors
+    meta = _metadata(path)
+    if any("lora_magnitude_vector" in k or "dora_scale" in k for k in tensors) or any(
+        k.endswith("use_dora") and v for k, v in meta.items()
+    ):
+        raise UnsupportedError(f"{path}: a DoRA adapter; nostall fuses plain LoRA only")
+    try:
+        out = cls.lora_state_dict(dict(tensors), **_alphas_kw(cls))
+    except (ValueError, KeyError, IndexError, RuntimeError, AttributeError) as e:
+        raise CheckpointError(
+            f"diffusers' {cls.__name__} converter cannot read it as a LoRA ({type(e).__name__}: "
+            f"{e})",
+            path=path,
+        ) from e
+    sd, alphas = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
+    sd = _to_peft(sd)
+    layers = _layers(path, sd, alphas or {}, meta)
+    return Lora(name or os.path.basename(path), path, pipeline_class, tuple(layers))
+
+
+def _alphas_kw(cls: Any) -> dict[str, Any]:
+    import inspect
+
+    params = inspect.signature(cls.lora_state_dict).parameters
+    return {"return_alphas": True} if "return_alphas" in params else {}
+
+
+def _to_peft(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """diffusers' older key names (``.lora.down.weight``, ``lora_linear_layer``) as PEFT's
+    ``lora_A`` / ``lora_B``."""
+    if all(".lora_A." in k or ".lora_B." in k for k in sd):
+        return sd
+    from diffusers.utils.state_dict_utils import convert_state_dict_to_peft
+
+    return convert_state_dict_to_peft(sd)
+
+
+def _layers(
+    path: str, sd: dict[str, torch.Tensor], alphas: dict[str, Any], meta: dict[str, Any]
+) -> list[LoraLayer]:
+    parts: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for key, t in sd.items():
+        m = _KEY.match(key)
+        if m is None:
+            if key.endswith(".alpha"):
+                continue
+            raise CheckpointError(
+                "a key no LoRA layer of a diffusers pipeline has (a LoRA for another "
+                "architecture, or a format diffusers does not convert)",
+                path=path,
+                tensor=key,
+            )
+        slot = f"{m['ab']}.{m['what']}"
+        parts.setdefault((m["role"], m["module"]), {})[slot] = t
+    if not parts:
+        raise CheckpointError("no LoRA layers in it", path=path)
+    # alphas from alpha tensors (kohya): per module, the most common one by default
+    by_module: dict[tuple[str, str], float] = {}
+    for key, v in alphas.items():
+        k = key.removesuffix(".alpha")
+        value = float(v.item() if torch.is_tensor(v) else v)
+        for role, module in parts:
+            for name in (f"{role}.{module}", module):
+                if k == name or k.startswith(name + "."):
+                    by_module[(role, module)] = value
+    common = Counter(by_module.values()).most_common(1)[0][0] if by_module else None
+    layers = []
+    for (role, module), p in sorted(parts.items()):
+        if "A.weight" not in p or "B.weight" not in p:
+            raise CheckpointError(
+                f"layer {role}.{module} has {sorted(p)} but a LoRA layer needs both A and B",
+                path=path,
+                tensor=f"{role}.{module}",
+            )
+        down, up = p["A.weight"], p["B.weight"]
+        r = int(down.shape[0])
+        if up.shape[1] != r:
+            raise CheckpointError(
+                f"layer {role}.{module}: A has rank {r} and B takes {up.shape[1]}",
+                path=path,
+                tensor=f"{role}.{module}",
+            )
+        rslora = bool(meta.get(f"{role}.use_rslora", False))
+        alpha = _pattern(meta.get(f"{role}.alpha_pattern") or {}, module)
+        if alpha is None:
+            alpha = by_module.get((role, module))
+        if alpha is None:
+            alpha = meta.get(f"{role}.lora_alpha", common if common is not None else r)
+        scale = float(alpha) / (math.sqrt(r) if rslora else r)
+        layers.append(LoraLayer(role, module, down, up, scale, p.get("B.bias")))
+    return layers
+
+
+def check_fits(lora: Lora, components: dict[str, torch.nn.Module]) -> None:
+    """Raise :class:`~nostall.errors.ModelMismatchError` naming the LoRA and its first
+    layer that the pipeline's ``components`` (role → module) lack or that does not fit
+    (a LoRA for another base: other shapes)."""
+    for x in lora.layers:
+        comp = components.get(x.role)
+        if comp is None:
+            raise ModelMismatchError(
+                f"LoRA {lora.name!r} adapts {x.role}, which this pipeline does not have "
+                f"(it has {', '.join(sorted(components))}); a LoRA for another architecture?",
+                path=lora.path,
+                missing=[f"{x.role}.{x.module}"],
+            )
+        try:
+            mod = comp.get_submodule(x.module)
+        except AttributeError:
+            mod = None
+        weight = getattr(mod, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            raise ModelMismatchError(
+                f"LoRA {lora.name!r}: its first layer the base lacks is "
+                f"{x.role}.{x.module}; a LoRA for another architecture?",
+                path=lora.path,
+                missing=[f"{x.role}.{x.module}"],
+            )
+        want = tuple(weight.shape)
+        if x.down.ndim == 2:
+            have = (int(x.up.shape[0]), int(x.down.shape[1]))
+        else:
+            have = (int(x.up.shape[0]), *(int(s) for s in x.down.shape[1:]))
+        if have != want:
+            raise ModelMismatchError(
+                f"LoRA {lora.name!r} does not fit this base: its first mismatching layer is "
+                f"{x.role}.{x.module}, {have} against the base's {want} (a LoRA for "
+                "another model or size?)",
+                path=lora.path,
+                mismatched=[(f"{x.role}.{x.module}", have, want)],
+            )
