@@ -9,6 +9,7 @@ from nostall import errors
 
 def test_all_is_exactly_the_public_surface():
     public = {n for n in dir(nostall) if not n.startswith("_")} - {
+        "adapters",
         "api",
         "checkpoint",
         "errors",

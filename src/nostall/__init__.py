@@ -11,6 +11,7 @@ objects that create them.
 from nostall.api import load_model, load_state_dict
 from nostall.cache import CacheStats, ModelCache, SwitchReport
 from nostall.errors import (
+    AdapterError,
     ArgumentError,
     BudgetExceeded,
     BusyError,
@@ -41,6 +42,7 @@ from nostall.transfer.loader import Loader, LoadResult, LoadStats
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdapterError",
     "ArgumentError",
     "BudgetExceeded",
     "BusyError",

@@ -6,6 +6,7 @@ cases apart by type (never by message text)::
 
     NostallError
     ├── ArgumentError            a bad argument or option value (also a ``ValueError``)
+    │   └── AdapterError         a LoRA that does not fit its base (another architecture)
     ├── CheckpointError          a checkpoint on disk is malformed or missing pieces
     │   ├── ModelMismatchError   the tensors do not fit the module they are loaded into
     │   └── FileChanged          a file changed on disk while (or since) nostall read it
@@ -45,6 +46,7 @@ from __future__ import annotations
 import os
 
 __all__ = [
+    "AdapterError",
     "ArgumentError",
     "BudgetExceeded",
     "BusyError",
@@ -106,6 +108,30 @@ class ArgumentError(NostallError, ValueError):
         self.field = field
         self.allowed = allowed
         super().__init__(message)
+
+
+class AdapterError(ArgumentError):
+    """A LoRA asked for does not fit the pipeline it was asked on: a component or layer
+    the base lacks, or other shapes (a LoRA for another model). The message names the
+    LoRA and its first layer at fault.
+
+    Attributes:
+        path: the LoRA file.
+        layer: its first layer at fault (``role.module``).
+        shapes: ``(lora_shape, base_shape)`` when the shapes differ, else ``None``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | os.PathLike | None = None,
+        layer: str | None = None,
+        shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+    ):
+        self.path = os.fspath(path) if path is not None else None
+        self.layer, self.shapes = layer, shapes
+        super().__init__(message, field="loras")
 
 
 class CheckpointError(NostallError):

@@ -16,11 +16,11 @@ import torch
 
 pytest.importorskip("peft")
 
-from nostall import ModelCache  # noqa: E402
-from nostall.errors import (  # noqa: E402
+from nostall import ModelCache
+from nostall.errors import (
+    AdapterError,
     ArgumentError,
     CheckpointError,
-    ModelMismatchError,
     UnknownModel,
 )
 
@@ -82,6 +82,11 @@ def _diffusers(store, name, adapters, weights, **kw):
     if adapters:
         pipe.set_adapters(list(adapters), list(weights))
     return _image(pipe, **kw)
+
+
+def _enter(block):
+    with block:
+        pass
 
 
 def _params(pipe):
@@ -162,24 +167,20 @@ def test_bad_loras_are_typed_errors_naming_the_fault(store, tmp_path):
 
     with ModelCache(store, device="cpu") as cache:
         with pytest.raises(UnknownModel, match="stlye") as e:
-            with cache.use("flux", loras={"stlye": 1.0}):
-                pass
+            _enter(cache.use("flux", loras={"stlye": 1.0}))
         assert "style" in e.value.close
         for w in (float("nan"), float("inf"), 1e6):
             with pytest.raises(ArgumentError, match="weight"):
-                with cache.use("flux", loras={"style": w}):
-                    pass
+                _enter(cache.use("flux", loras={"style": w}))
         # a LoRA of SDXL's UNet on FLUX: it adapts a component FLUX does not have
-        with pytest.raises(ModelMismatchError, match="sdxl-style"):
-            with cache.use("flux", loras={"sdxl-style": 1.0}):
-                pass
+        with pytest.raises(AdapterError, match="sdxl-style"):
+            _enter(cache.use("flux", loras={"sdxl-style": 1.0}))
         # truncated: a typed error naming the file, and the cache still serves
         cut = tmp_path / "cut.safetensors"
         data = (store / "loras" / "style.safetensors").read_bytes()
         cut.write_bytes(data[: len(data) // 2])
-        with pytest.raises(CheckpointError, match="cut.safetensors"):
-            with cache.use("flux", loras={str(cut): 1.0}):
-                pass
+        with pytest.raises(CheckpointError, match=r"cut\.safetensors"):
+            _enter(cache.use("flux", loras={str(cut): 1.0}))
         # shapes of another base: the first mismatching layer is named
         from safetensors.torch import load_file, save_file
 
@@ -189,9 +190,8 @@ def test_bad_loras_are_typed_errors_naming_the_fault(store, tmp_path):
         other = tmp_path / "other.safetensors"
         save_file(sd, str(other))
         layer = first.removeprefix("transformer.").removesuffix(".lora_B.weight")
-        with pytest.raises(ModelMismatchError, match=layer.replace(".", r"\.")):
-            with cache.use("flux", loras={str(other): 1.0}):
-                pass
+        with pytest.raises(AdapterError, match=layer.replace(".", r"\.")):
+            _enter(cache.use("flux", loras={str(other): 1.0}))
         # a replaced file is read again
         swapped = tmp_path / "swap.safetensors"
         shutil.copy(store / "loras" / "style.safetensors", swapped)
@@ -206,3 +206,24 @@ def test_bad_loras_are_typed_errors_naming_the_fault(store, tmp_path):
         assert np.abs(a - b).max() > 1e-4
         with cache.use("flux") as pipe:  # after all that, still serving
             pipe.set_progress_bar_config(disable=True)
+
+
+@pytest.mark.parametrize("fmt", ["kohya", "peft"])
+def test_sdxl_with_text_encoder_layers_and_alphas_equals_diffusers(store, tmp_path, fmt):
+    """kohya (sd-scripts) keys and alpha tensors, and PEFT keys with adapter metadata:
+    UNet and both CLIP text encoders adapted, alpha twice the rank."""
+    from nostall.synthetic import write_lora
+
+    name = f"sdxl-te-{fmt}"
+    path = store / "loras" / f"{name}.safetensors"
+    write_lora(store / "sdxl", path, rank=4, alpha=8.0, text_encoder=True, fmt=fmt, seed=3)
+    ref = _diffusers(store, "sdxl", [name], [0.6])
+    with ModelCache(store, device="cpu") as cache:
+        lora = cache.lora(name, "sdxl")
+        assert set(lora.roles) == {"unet", "text_encoder", "text_encoder_2"}
+        with cache.use("sdxl") as pipe:
+            base = _image(pipe)
+        with cache.use("sdxl", loras={name: 0.6}) as pipe:
+            got = _image(pipe)
+    assert np.abs(got - base).max() > 1e-3
+    assert np.abs(got - ref).max() < 1e-5

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from nostall.adapters.lora import Lora, LoraLayer
+from nostall.adapters.lora import Lora, LoraLayer, submodule
 
 __all__ = ["Fusions", "Wanted"]
 
@@ -36,7 +36,7 @@ class _State:
     module: torch.nn.Module
     applied: Wanted = ()
     users: int = 0
-    base: dict[str, torch.Tensor] = field(default_factory=dict)  # weight name -> base bytes
+    base: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)  # param -> base bytes
 
 
 class Fusions:
@@ -143,14 +143,14 @@ class Fusions:
 def _fuse(st: _State, layers: list[tuple[LoraLayer, float]]) -> None:
     """Restore the base bytes, then fuse ``layers`` (the caller is the only user)."""
     module = st.module
-    for name, base in list(st.base.items()):
-        module.get_parameter(name).copy_(base)
-        del st.base[name]
+    for param, base in list(st.base.items()):
+        param.copy_(base)
+        del st.base[param]
     grouped: dict[str, list[tuple[LoraLayer, float]]] = {}
     for x, w in layers:
         grouped.setdefault(x.module, []).append((x, w))
     for name, items in grouped.items():
-        sub = module.get_submodule(name)
+        sub = submodule(module, name)  # (check_fits found it)
         for attr in ("weight", "bias"):
             param = getattr(sub, attr, None)
             parts = [(x, w) for x, w in items if attr == "weight" or x.bias is not None]
@@ -163,5 +163,5 @@ def _fuse(st: _State, layers: list[tuple[LoraLayer, float]]) -> None:
                     acc += w * x.delta(device=acc.device)
                 else:
                     acc += (w * x.scale) * x.bias.to(acc.device, torch.float32)
-            st.base[f"{name}.{attr}"] = base
+            st.base[param] = base
             param.copy_(acc.to(param.dtype))

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from nostall.api import load_state_dict
-from nostall.errors import CheckpointError, ModelMismatchError, UnsupportedError
+from nostall.errors import AdapterError, CheckpointError, UnsupportedError
 
-__all__ = ["Lora", "LoraLayer", "check_fits", "read_lora"]
+__all__ = ["Lora", "LoraLayer", "check_fits", "read_lora", "submodule"]
 
 # the pipeline roles a LoRA may adapt, as diffusers prefixes their keys
 ROLES = ("transformer", "unet", "text_encoder", "text_encoder_2", "text_encoder_3")
@@ -124,9 +124,16 @@ def _pattern(patterns: dict[str, Any], module: str) -> Any:
     return None
 
 
-def read_lora(path: str | os.PathLike, pipeline_class: str, *, name: str | None = None) -> Lora:
+def read_lora(
+    path: str | os.PathLike,
+    pipeline_class: str,
+    *,
+    name: str | None = None,
+    unet_config: dict[str, Any] | None = None,
+) -> Lora:
     """The LoRA at ``path`` as layers for ``pipeline_class`` (diffusers' class name, as
-    in ``model_index.json``). Raises :class:`~nostall.errors.CheckpointError` for a file
+    in ``model_index.json``); ``unet_config``: the base's UNet config, which diffusers
+    needs to map kohya's SGM block names (``input_blocks_4_1``) to its own. Raises :class:`~nostall.errors.CheckpointError` for a file
     that is not a readable LoRA, :class:`~nostall.errors.UnsupportedError` for a kind
     nostall cannot fuse (DoRA, LoKr)."""
     path = os.fspath(path)
@@ -138,7 +145,7 @@ def read_lora(path: str | os.PathLike, pipeline_class: str, *, name: str | None 
     ):
         raise UnsupportedError(f"{path}: a DoRA adapter; nostall fuses plain LoRA only")
     try:
-        out = cls.lora_state_dict(dict(tensors), **_alphas_kw(cls))
+        out = cls.lora_state_dict(dict(tensors), **_kwargs(cls, unet_config))
     except (ValueError, KeyError, IndexError, RuntimeError, AttributeError) as e:
         raise CheckpointError(
             f"diffusers' {cls.__name__} converter cannot read it as a LoRA ({type(e).__name__}: "
@@ -151,21 +158,39 @@ def read_lora(path: str | os.PathLike, pipeline_class: str, *, name: str | None 
     return Lora(name or os.path.basename(path), path, pipeline_class, tuple(layers))
 
 
-def _alphas_kw(cls: Any) -> dict[str, Any]:
+def _kwargs(cls: Any, unet_config: dict[str, Any] | None) -> dict[str, Any]:
     import inspect
 
     params = inspect.signature(cls.lora_state_dict).parameters
-    return {"return_alphas": True} if "return_alphas" in params else {}
+    out: dict[str, Any] = {"return_alphas": True} if "return_alphas" in params else {}
+    if unet_config is not None:
+        out["unet_config"] = unet_config  # (read from **kwargs by the SD/SDXL converters)
+    return out
 
 
 def _to_peft(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """diffusers' older key names (``.lora.down.weight``, ``lora_linear_layer``) as PEFT's
-    ``lora_A`` / ``lora_B``."""
-    if all(".lora_A." in k or ".lora_B." in k for k in sd):
-        return sd
-    from diffusers.utils.state_dict_utils import convert_state_dict_to_peft
+    """diffusers' older key names as PEFT's ``lora_A`` / ``lora_B``, per component as
+    diffusers converts them when it loads: the denoiser's (``.processor.to_q_lora.down``,
+    ``.lora.down``: what kohya files convert to) and the text encoders'
+    (``lora_linear_layer``, ``to_out_lora``); alphas kept."""
+    from diffusers.utils.state_dict_utils import (
+        convert_state_dict_to_peft,
+        convert_unet_state_dict_to_peft,
+    )
 
-    return convert_state_dict_to_peft(sd)
+    out: dict[str, torch.Tensor] = {}
+    for role in ROLES:
+        part = {k: v for k, v in sd.items() if k.startswith(f"{role}.")}
+        if not part or all(".lora_A." in k or ".lora_B." in k for k in part):
+            out.update(part)
+        elif role.startswith("text_encoder"):
+            lora = {k: v for k, v in part.items() if not k.endswith(".alpha")}
+            out.update(convert_state_dict_to_peft(lora))
+            out.update({k: v for k, v in part.items() if k.endswith(".alpha")})
+        else:
+            out.update(convert_unet_state_dict_to_peft(part))
+    out.update({k: v for k, v in sd.items() if not k.startswith(tuple(f"{r}." for r in ROLES))})
+    return out
 
 
 def _layers(
@@ -224,30 +249,38 @@ def _layers(
     return layers
 
 
+def submodule(component: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    """``component``'s submodule ``name``, as diffusers finds it: LoRA files spell CLIP's
+    layers ``text_model.encoder…``, which transformers 5 dropped from ``CLIPTextModel``
+    (not from ``CLIPTextModelWithProjection``); ``None`` if it has none."""
+    for n in (name, name.removeprefix("text_model.")):
+        try:
+            return component.get_submodule(n)
+        except AttributeError:
+            continue
+    return None
+
+
 def check_fits(lora: Lora, components: dict[str, torch.nn.Module]) -> None:
-    """Raise :class:`~nostall.errors.ModelMismatchError` naming the LoRA and its first
-    layer that the pipeline's ``components`` (role → module) lack or that does not fit
-    (a LoRA for another base: other shapes)."""
+    """Raise :class:`~nostall.errors.AdapterError` naming the LoRA and its first layer
+    that the pipeline's ``components`` (role → module) lack or that does not fit (a LoRA
+    for another base: other shapes)."""
     for x in lora.layers:
         comp = components.get(x.role)
         if comp is None:
-            raise ModelMismatchError(
+            raise AdapterError(
                 f"LoRA {lora.name!r} adapts {x.role}, which this pipeline does not have "
                 f"(it has {', '.join(sorted(components))}); a LoRA for another architecture?",
                 path=lora.path,
-                missing=[f"{x.role}.{x.module}"],
+                layer=f"{x.role}.{x.module}",
             )
-        try:
-            mod = comp.get_submodule(x.module)
-        except AttributeError:
-            mod = None
-        weight = getattr(mod, "weight", None)
+        weight = getattr(submodule(comp, x.module), "weight", None)
         if not isinstance(weight, torch.Tensor):
-            raise ModelMismatchError(
+            raise AdapterError(
                 f"LoRA {lora.name!r}: its first layer the base lacks is "
                 f"{x.role}.{x.module}; a LoRA for another architecture?",
                 path=lora.path,
-                missing=[f"{x.role}.{x.module}"],
+                layer=f"{x.role}.{x.module}",
             )
         want = tuple(weight.shape)
         if x.down.ndim == 2:
@@ -255,10 +288,11 @@ def check_fits(lora: Lora, components: dict[str, torch.nn.Module]) -> None:
         else:
             have = (int(x.up.shape[0]), *(int(s) for s in x.down.shape[1:]))
         if have != want:
-            raise ModelMismatchError(
+            raise AdapterError(
                 f"LoRA {lora.name!r} does not fit this base: its first mismatching layer is "
                 f"{x.role}.{x.module}, {have} against the base's {want} (a LoRA for "
                 "another model or size?)",
                 path=lora.path,
-                mismatched=[(f"{x.role}.{x.module}", have, want)],
+                layer=f"{x.role}.{x.module}",
+                shapes=(have, want),
             )

@@ -59,6 +59,20 @@ def lora_weights(loras: Mapping[str, float] | Iterable[Any] | None) -> list[tupl
     return out
 
 
+def _unet_config(folder: str | None) -> dict[str, Any] | None:
+    if folder is None:
+        return None
+    path = os.path.join(folder, "unet", "config.json")
+    if not os.path.isfile(path):
+        return None
+    import json
+
+    from diffusers.configuration_utils import FrozenDict  # what unet.config is
+
+    with open(path) as f:
+        return FrozenDict(json.load(f))
+
+
 class Shelf:
     """LoRAs by name under ``folder`` (``<store>/loras``; ``None``: paths only), read
     once per file identity and pipeline class; those read last are kept, up to
@@ -101,8 +115,9 @@ class Shelf:
             close=difflib.get_close_matches(name, names),
         )  # fmt: skip
 
-    def get(self, name: str, pipeline_class: str) -> Lora:
-        """The LoRA ``name`` for ``pipeline_class``, read now if its file is new or changed."""
+    def get(self, name: str, pipeline_class: str, pipeline_folder: str | None = None) -> Lora:
+        """The LoRA ``name`` for ``pipeline_class``, read now if its file is new or changed
+        (``pipeline_folder``: the base's, whose UNet config kohya names need)."""
         path = self.path(name)
         st = os.stat(path)
         key = (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, pipeline_class)
@@ -111,7 +126,7 @@ class Shelf:
             if got is not None:
                 self._read.move_to_end(key)
                 return got
-        lora = read_lora(path, pipeline_class, name=name)
+        lora = read_lora(path, pipeline_class, name=name, unet_config=_unet_config(pipeline_folder))
         with self._lock:
             for k in [k for k in self._read if k[0] == path and k[5] == pipeline_class]:
                 del self._read[k]  # an older version of the same file

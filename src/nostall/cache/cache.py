@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from nostall.adapters import Fusions, Shelf, check_fits, lora_weights
+from nostall.adapters import Fusions, Lora, Shelf, check_fits, lora_weights
 from nostall.adapters.lora import ROLES as LORA_ROLES
 from nostall.cache import placement
 from nostall.cache.device import DeviceTier, Slot
@@ -157,6 +157,18 @@ class ModelCache:
         """The pipelines the store holds."""
         return self.store.names()
 
+    def loras(self) -> list[str]:
+        """The LoRA names under ``<store>/loras``."""
+        return self._shelf.names()
+
+    def lora(self, name: str, pipeline: str) -> Lora:
+        """LoRA ``name`` (a name under ``<store>/loras`` or a path) as read for
+        ``pipeline``'s class: read now if new or changed on disk, else as kept.
+        :class:`~nostall.UnknownModel`, :class:`~nostall.CheckpointError` for a file that
+        is not a readable LoRA."""
+        entry = self.store.entry(pipeline)
+        return self._shelf.get(name, entry.class_name, entry.folder)
+
     def pipeline(self, name: str, *, without: Iterable[str] = ()) -> Any:
         """Switch to ``name``; return its diffusers pipeline, weights on the device.
 
@@ -215,8 +227,7 @@ class ModelCache:
         """Fuse ``wanted`` into ``pipe``'s modules (or restore their base); the modules
         entered, for :meth:`Fusions.leave`."""
         modules = _adaptable(pipe)
-        cls = self.store.entry(name).class_name
-        loras = [(self._shelf.get(n, cls), w) for n, w in wanted]
+        loras = [(self.lora(n, name), w) for n, w in wanted]
         for lora, _ in loras:
             left = sorted(set(lora.roles) & set(without))
             if left:

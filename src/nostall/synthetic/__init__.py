@@ -15,6 +15,7 @@
 """
 
 from nostall.synthetic.checkpoints import PRESETS, make_checkpoint
+from nostall.synthetic.loras import write_lora
 from nostall.synthetic.run import denoise
 from nostall.synthetic.tiny import PIPELINES, write_store
 from nostall.synthetic.transformer import safetensors_bytes, step_inputs, write_transformer
@@ -26,6 +27,7 @@ __all__ = [
     "make_checkpoint",
     "safetensors_bytes",
     "step_inputs",
+    "write_lora",
     "write_store",
     "write_transformer",
 ]
