@@ -2,7 +2,9 @@
 
 ``POST /v1/images/generations``  OpenAI's images API shape plus nostall's fields:
     ``{"model", "prompt", "size": "WxH", "steps", "seed", "guidance",
-    "negative_prompt", "max_sequence_length", "response_format": "b64_json" | "png"}``;
+    "negative_prompt", "max_sequence_length", "loras": [{"name", "scale"}],
+    "response_format": "b64_json" | "png"}`` (``loras``: names of the server's
+    ``<store>/loras``, fused for this request; requests without them get the base);
     answers ``{"created", "data": [{"b64_json"}], "nostall": {...}}`` or the PNG bytes.
 ``POST /v1/videos/decode?model=&fps=&mode=&denormalize=``  body: safetensors bytes
     holding ``latents`` (1, C, T, h, w); answers the MP4.
@@ -56,6 +58,16 @@ __all__ = ["create_app"]
 log = logging.getLogger(__name__)
 
 
+class LoraRef(BaseModel):
+    """One LoRA of an images request: a name of the server's ``<store>/loras`` and its
+    weight (an extension of OpenAI's images body)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+    scale: float = 1.0
+
+
 class ImageBody(BaseModel):
     """The images/generations body. OpenAI's ``n`` (1 only), ``user``, ``quality`` and
     ``style`` are accepted and ignored; unknown fields are refused (a typo should not
@@ -72,6 +84,7 @@ class ImageBody(BaseModel):
     guidance: float | None = None
     negative_prompt: str | None = None
     max_sequence_length: int | None = None
+    loras: list[LoraRef] | None = None
     response_format: Literal["b64_json", "png"] = "b64_json"
     n: int = 1
     user: str | None = None

@@ -176,5 +176,6 @@ def _terms(job: Any, batching: bool) -> tuple[str, Hashable, float]:
         job.guidance,
         job.max_sequence_length,
         job.negative_prompt is None,
+        job.loras,  # one pipeline call fuses one set of LoRAs
     )
     return key, shape, work

@@ -23,11 +23,13 @@ nostall.errors.ArgumentError: size='520x512': width 520 must be a multiple of 16
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import json
 import math
 import os
 import random
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -40,6 +42,7 @@ __all__ = [
     "RuleBook",
     "VideoRules",
     "check_image",
+    "check_loras",
     "check_video",
     "check_video_target",
     "image_rules",
@@ -62,6 +65,7 @@ class Limits:
     max_side: int = 2048
     max_steps: int = 150
     max_prompt_chars: int = 4000
+    max_loras: int = 8
     max_guidance: float = 50.0
     max_latent_bytes: int = 128 << 20
     max_video_frames: int = 161
@@ -273,6 +277,49 @@ def _size(size: Any, rules: ImageRules) -> tuple[int, int]:
                 field="size", allowed=allowed,
             )  # fmt: skip
     return w, h
+
+
+_LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+
+
+def check_loras(
+    body: Mapping[str, Any], available: list[str], limits: Limits
+) -> tuple[tuple[str, float], ...]:
+    """The request's ``loras`` (``[{"name", "scale"}]``) as ``((name, scale), ...)``:
+    names of the store's LoRAs only (no paths: a client names, the server resolves),
+    each once, scales finite within ±10, at most ``limits.max_loras``; else
+    :class:`~nostall.ArgumentError` naming ``loras`` and what it allows.
+
+    >>> check_loras({"loras": [{"name": "ghibli", "scale": 0.8}]}, ["ghibli"], Limits())
+    (('ghibli', 0.8),)
+    """
+    from nostall.adapters import lora_weights
+
+    raw = body.get("loras")
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or len(raw) > limits.max_loras:
+        raise ArgumentError(
+            f"loras: a list of at most {limits.max_loras} {{name, scale}} objects",
+            field="loras", allowed={"max": limits.max_loras, "names": available[:50]},
+        )  # fmt: skip
+    pairs = []
+    for item in raw:
+        if not isinstance(item, Mapping) or set(item) - {"name", "scale"} or "name" not in item:
+            raise ArgumentError(
+                f"loras: {item!r} is not a {{name, scale}} object", field="loras",
+                allowed={"names": available[:50]},
+            )  # fmt: skip
+        name, scale = item["name"], item.get("scale", 1.0)
+        if not isinstance(name, str) or not _LORA_NAME.fullmatch(name) or name not in available:
+            close = difflib.get_close_matches(str(name), available)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ArgumentError(
+                f"loras: no LoRA {name!r} on this server{hint}", field="loras",
+                allowed={"names": close or available[:50]},
+            )  # fmt: skip
+        pairs.append((name, scale))
+    return tuple(lora_weights(pairs))
 
 
 def check_image(body: Mapping[str, Any], rules: ImageRules, limits: Limits) -> dict[str, Any]:

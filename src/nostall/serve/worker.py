@@ -43,17 +43,20 @@ from nostall.cache.report import human_bytes
 from nostall.errors import (  # the job errors live in the one tree; imported here as before
     ArgumentError,
     Cancelled,
+    CheckpointError,
     DeviceBusy,
     LatentsError,
     NostallError,
     QueueFull,
     ShuttingDown,
+    UnknownModel,
+    UnsupportedError,
 )
 from nostall.logs import LibraryWarningsOnce
 from nostall.serve.budget import DeviceBudget, is_out_of_memory, unfit, video_only
 from nostall.serve.calls import PhaseClock, batch_arguments, cat_embeds, image_kwargs, sync
 from nostall.serve.lineup import Lineup
-from nostall.serve.requests import Limits, RuleBook, check_image, check_video
+from nostall.serve.requests import Limits, RuleBook, check_image, check_loras, check_video
 from nostall.serve.results import Result, Settler
 from nostall.serve.schedule import Policy
 from nostall.transfer.loader import resolve_device
@@ -81,6 +84,7 @@ class ImageJob:
     guidance: float | None = None
     negative_prompt: str | None = None
     max_sequence_length: int | None = None
+    loras: tuple[tuple[str, float], ...] = ()  # fused for this job (name, weight)
 
 
 @dataclass
@@ -347,7 +351,8 @@ class Worker:
             if e.field == "model":
                 e.allowed = self._serving("image")
             raise
-        return ImageJob(model=model, **fields)
+        loras = check_loras(body, self.cache.loras(), self.limits)
+        return ImageJob(model=model, **fields, loras=loras)
 
     def video_job(
         self,
@@ -573,9 +578,10 @@ class Worker:
         # encoders (their bytes stay where they are) while the service encodes the
         # prompt; if the service fails, the encoders are switched in and encode locally.
         roles = self._without(job)
+        self._read_loras(job)
         remote = self._embed_pool.submit(self._remote_embeds, job) if roles else None
         embeds, text_wait, service_s = None, 0.0, 0.0
-        with self.cache.use(job.model, without=roles) as pipe:
+        with self.cache.use(job.model, without=roles, loras=job.loras) as pipe:
             switched = time.perf_counter()
             report = self._switch_report(job.model)
             if remote is not None:
@@ -589,7 +595,7 @@ class Worker:
             if embeds is not None or not roles:
                 image, clock, done = self._generate(pipe, job, embeds)
         if roles and embeds is None:  # the service failed: the whole pipeline, locally
-            with self.cache.use(job.model) as pipe:
+            with self.cache.use(job.model, loras=job.loras) as pipe:
                 switched = time.perf_counter()
                 report = self._switch_report(job.model)
                 image, clock, done = self._generate(pipe, job, None)
@@ -604,8 +610,9 @@ class Worker:
         """:meth:`_image` for like jobs, in one pipeline call. The embedding service's
         failure fails the batch (its jobs then run alone, and encode locally)."""
         roles = self._without(jobs[0])
+        self._read_loras(jobs[0])  # (a batch's jobs want the same LoRAs: lineup's shape)
         remote = [self._embed_pool.submit(self._remote_embeds, j) for j in jobs] if roles else []
-        with self.cache.use(jobs[0].model, without=roles) as pipe:
+        with self.cache.use(jobs[0].model, without=roles, loras=jobs[0].loras) as pipe:
             switched = time.perf_counter()
             report = self._switch_report(jobs[0].model)
             embeds = cat_embeds([f.result()[0] for f in remote]) if remote else None
@@ -619,6 +626,15 @@ class Worker:
             info = {"seed": job.seed, "size": image.size, "batch": len(jobs)}
             results.append(Result(b"", "image/png", dict(phases), report, info, image=image))
         return results
+
+    def _read_loras(self, job: ImageJob) -> None:
+        """Read the job's LoRAs (or find them read): a file the server cannot use is the
+        request's 422 naming it, not the worker's 500."""
+        for name, _ in job.loras:
+            try:
+                self.cache.lora(name, job.model)
+            except (CheckpointError, UnknownModel, UnsupportedError) as e:
+                raise ArgumentError(f"loras: {name!r} cannot be used: {e}", field="loras") from e
 
     def _generate(
         self, pipe: Any, job: ImageJob | list[ImageJob], embeds: dict[str, torch.Tensor] | None
@@ -652,6 +668,8 @@ class Worker:
             if entry.components.get("vae") is None:
                 raise ArgumentError(f"pipeline {job.model!r} has no vae to decode latents with")
             return tuple(c.role for c in entry.weights if c.role != "vae")
+        if job.loras:  # a LoRA may adapt the text encoders: the service would not see it
+            return ()
         return self._remote_roles(job.model)
 
     def _video(self, job: VideoJob, start: float) -> Result:
