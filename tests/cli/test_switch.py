@@ -48,3 +48,25 @@ def test_index_hashes_a_store_once_and_says_what_is_shared(tiny_store, tmp_path)
     assert again.exit_code == 0 and "hashed 0.00 GB" in again.output  # nothing new
     bad = runner.invoke(app, [*args, "--name", "flx"])
     assert bad.exit_code != 0 and "did you mean 'flux'" in bad.output + str(bad.exception)
+
+
+def test_switch_fuses_loras_and_says_so(tiny_store):
+    pytest.importorskip("peft")
+    from nostall.synthetic import write_lora
+
+    (tiny_store / "loras").mkdir(exist_ok=True)
+    write_lora(tiny_store / "flux", tiny_store / "loras" / "style.safetensors", rank=2)
+    args = ["switch", "--models", str(tiny_store), "--device", "cpu", "flux"]
+    result = runner.invoke(app, [*args, "--lora", "style:0.5", "--steps", "1", "--size", "32"])
+    assert result.exit_code == 0, result.output
+    assert "LoRAs fused: style 0.5" in result.output
+    for bad, says in (("style:abc", "NAME:SCALE"), ("style:nan", "finite"),
+                      ("style:1e9", "beyond")):  # fmt: skip
+        out = runner.invoke(app, [*args, "--lora", bad])
+        assert out.exit_code == 2 and says in out.output, out.output
+    from nostall.errors import UnknownModel
+
+    unknown = runner.invoke(app, [*args, "--lora", "stlye:1"])  # (main() prints it, one line)
+    assert isinstance(unknown.exception, UnknownModel) and "did you mean style" in str(
+        unknown.exception
+    )

@@ -81,14 +81,23 @@ def switch(
         0, callback=in_range(0), help="Denoising steps to run after each switch (0: none)."
     ),
     size: int = typer.Option(256, callback=in_range(16), help="Image size for those steps."),
+    lora: list[str] = typer.Option(  # noqa: B008
+        None,
+        "--lora",
+        help="NAME:SCALE (repeatable): fuse this LoRA into every pipeline switched to; NAME "
+        "is a file of <models>/loras/ without .safetensors, or a path.",
+    ),
 ) -> None:
     """Switch among pipelines of a store and print, per switch, where each component came
-    from and what each phase cost."""
+    from and what each phase cost (and the LoRAs fused, and how long that took)."""
+    from nostall.adapters import lora_weights
     from nostall.cache import ModelCache
     from nostall.synthetic import denoise
 
     gpu_budget, host_budget = gigabytes(gpu_gb, "--gpu-gb"), gigabytes(host_gb, "--host-gb")
     dt = parse_dtype(dtype)
+    with usage_errors("--lora"):
+        loras = lora_weights([_lora_option(x) for x in lora or ()])
     with usage_errors("--models"):
         cache = ModelCache(
             models, device=device, gpu_budget=gpu_budget, host_budget=host_budget, dtype=dt
@@ -97,15 +106,38 @@ def switch(
         with console.status("preparing the tiers (device memory, pinning) and reading the store…"):
             cache.prepare(*names)  # unknown names fail here, before any switch
         for name in names:
-            with cache.use(name) as pipe:
+            t = time.perf_counter()
+            with cache.use(name, loras=loras) as pipe:
+                entered_s = time.perf_counter() - t
                 report = cache.last_report
                 run_s = (
                     denoise(pipe, name, steps=steps, res=size, dev=cache.device) if steps else None
                 )
             console.print(report.table())
+            if loras:
+                fused = ", ".join(f"{n} {w:g}" for n, w in loras)
+                console.print(
+                    f"  LoRAs fused: {fused} ({max(0.0, entered_s - report.total_s):.3f} s "
+                    "after the switch)",
+                    highlight=False,
+                )
             if run_s is not None:
                 console.print(f"  {steps} denoising steps at {size}x{size}: {run_s:.3f} s")
         console.print(_tiers_table(cache.stats()))
+
+
+def _lora_option(value: str) -> tuple[str, float]:
+    """``NAME:SCALE`` (``NAME`` alone: scale 1) as ``(name, scale)``."""
+    name, sep, scale = value.rpartition(":")
+    if not sep:
+        return value, 1.0
+    try:
+        return name, float(scale)
+    except ValueError:
+        raise typer.BadParameter(
+            f"{value!r}: give NAME:SCALE, the scale a number (e.g. ghibli:0.8)",
+            param_hint="--lora",
+        ) from None
 
 
 def _tiers_table(stats) -> Table:
