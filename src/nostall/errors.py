@@ -6,7 +6,7 @@ cases apart by type (never by message text)::
 
     NostallError
     ├── ArgumentError            a bad argument or option value (also a ``ValueError``)
-    │   └── AdapterError         a LoRA that does not fit its base (another architecture)
+    │   └── AdapterError         a LoRA or ControlNet that does not fit its base
     ├── CheckpointError          a checkpoint on disk is malformed or missing pieces
     │   ├── ModelMismatchError   the tensors do not fit the module they are loaded into
     │   └── FileChanged          a file changed on disk while (or since) nostall read it
@@ -111,9 +111,9 @@ class ArgumentError(NostallError, ValueError):
 
 
 class AdapterError(ArgumentError):
-    """A LoRA asked for does not fit the pipeline it was asked on: a component or layer
-    the base lacks, or other shapes (a LoRA for another model). The message names the
-    LoRA and its first layer at fault.
+    """A LoRA or ControlNet asked for does not fit the pipeline it was asked on: a
+    component or layer the base lacks, or other shapes (an adapter for another model).
+    The message names the adapter and its first layer (or config field) at fault.
 
     Attributes:
         path: the LoRA file.
@@ -128,10 +128,11 @@ class AdapterError(ArgumentError):
         path: str | os.PathLike | None = None,
         layer: str | None = None,
         shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+        field: str = "loras",
     ):
         self.path = os.fspath(path) if path is not None else None
         self.layer, self.shapes = layer, shapes
-        super().__init__(message, field="loras")
+        super().__init__(message, field=field)
 
 
 class CheckpointError(NostallError):

@@ -141,27 +141,44 @@ class Fusions:
 
 @torch.no_grad()
 def _fuse(st: _State, layers: list[tuple[LoraLayer, float]]) -> None:
-    """Restore the base bytes, then fuse ``layers`` (the caller is the only user)."""
+    """Make ``st.module``'s weights its base plus ``layers`` (the caller is the only
+    user): a weight both the old and the new LoRAs touch is written once, from its base
+    copy (``W = W0 + Σ weight · scale · B @ A``: one ``addmm`` from the copy into the
+    weight, the next LoRA's added in place); a weight only the old ones touched gets its
+    base bytes back. Every weight written has its base copy in ``st.base`` first, so a
+    failure half way leaves nothing a later call cannot restore."""
     module = st.module
-    for param, base in list(st.base.items()):
-        param.copy_(base)
-        del st.base[param]
-    grouped: dict[str, list[tuple[LoraLayer, float]]] = {}
+    wanted: dict[torch.Tensor, list[tuple[LoraLayer, float]]] = {}
+    biases: dict[torch.Tensor, list[tuple[LoraLayer, float]]] = {}
     for x, w in layers:
-        grouped.setdefault(x.module, []).append((x, w))
-    for name, items in grouped.items():
-        sub = submodule(module, name)  # (check_fits found it)
-        for attr in ("weight", "bias"):
-            param = getattr(sub, attr, None)
-            parts = [(x, w) for x, w in items if attr == "weight" or x.bias is not None]
-            if param is None or not parts:
-                continue
-            base = param.detach().clone()
-            acc = base.to(torch.float32, copy=True)  # (a float32 weight: not the same tensor)
+        sub = submodule(module, x.module)  # (check_fits found it)
+        wanted.setdefault(sub.weight, []).append((x, w))
+        if x.bias is not None and getattr(sub, "bias", None) is not None:
+            biases.setdefault(sub.bias, []).append((x, w))
+    for param, parts in (*wanted.items(), *biases.items()):
+        base = st.base.get(param)
+        if base is None:
+            base = st.base[param] = param.detach().clone()
+        if param in biases and parts is biases[param]:
+            param.copy_(base)
             for x, w in parts:
-                if attr == "weight":
-                    acc += w * x.delta(device=acc.device)
-                else:
-                    acc += (w * x.scale) * x.bias.to(acc.device, torch.float32)
-            st.base[param] = base
-            param.copy_(acc.to(param.dtype))
+                param.add_(x.bias.to(param.device, param.dtype), alpha=w * x.scale)
+        else:
+            _write(param, base, parts)
+    for param in [p for p in st.base if p not in wanted and p not in biases]:
+        param.copy_(st.base.pop(param))
+
+
+def _write(param: torch.Tensor, base: torch.Tensor, parts: list[tuple[LoraLayer, float]]) -> None:
+    """``param = base + Σ weight · scale · up @ down``."""
+    x, w = parts[0]
+    if x.down.ndim == 2:  # a linear layer: fused multiply-adds in the weight's dtype
+        dev, dt = param.device, param.dtype
+        torch.addmm(base, x.up.to(dev, dt), x.down.to(dev, dt), alpha=w * x.scale, out=param.data)
+        for x, w in parts[1:]:
+            param.data.addmm_(x.up.to(dev, dt), x.down.to(dev, dt), alpha=w * x.scale)
+        return
+    acc = base.to(torch.float32, copy=True)  # convolutions: summed in float32, rounded once
+    for x, w in parts:
+        acc += w * x.delta(device=acc.device)
+    param.copy_(acc.to(param.dtype))

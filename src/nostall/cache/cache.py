@@ -51,7 +51,13 @@ from nostall.cache.moves import Move, issue
 from nostall.cache.pipelines import Pipelines
 from nostall.cache.report import CacheStats, ComponentSwitch, SwitchReport
 from nostall.cache.store import ComponentEntry, PipelineEntry, Store
-from nostall.errors import ArgumentError, BudgetExceeded, ClosedError, InternalError
+from nostall.errors import (
+    ArgumentError,
+    BudgetExceeded,
+    ClosedError,
+    InternalError,
+    UnknownModel,
+)
 from nostall.memory.events import event_done
 from nostall.memory.host import memory_limit
 from nostall.transfer.loader import Loader, resolve_device
@@ -143,6 +149,8 @@ class ModelCache:
         # LoRAs: read from <store>/loras (or paths), fused into resident modules per use()
         self._shelf = Shelf(os.path.join(self.store.root, "loras") if self.store.root else None)
         self._fusions = Fusions(wait_s)
+        root = self.store.root
+        self._controlnets = os.path.join(root, "controlnets") if root else None
         self._protected: set[str] = set()  # prefetched, not used yet
         self._current: set[str] = set()  # the last pipeline handed out without use()
         self._roles: dict[str, set[tuple[str, str]]] = {}  # digest -> {(pipeline, role)}
@@ -188,6 +196,7 @@ class ModelCache:
         *,
         without: Iterable[str] = (),
         loras: Mapping[str, float] | Iterable[tuple[str, float]] | None = None,
+        controlnet: str | os.PathLike | None = None,
     ) -> Iterator[Any]:
         """Switch to ``name`` and hold it: nothing of it is evicted inside the block.
 
@@ -204,6 +213,12 @@ class ModelCache:
         base, bit for bit, whatever an earlier block fused. Blocks that want other LoRAs
         on the same modules wait for each other; the weights never mix.
 
+        ``controlnet``: a ControlNet (``<store>/controlnets/<name>/``, or a folder) to
+        attach: the block gets diffusers' ControlNet pipeline for this one (SD, SDXL,
+        SD3, FLUX), built once, over the same resident modules; only the ControlNet's
+        weights move, through the tiers like any component. Pass the control image and
+        ``controlnet_conditioning_scale`` when calling it.
+
         >>> with cache.use("sdxl") as pipe:  # doctest: +SKIP
         ...     image = pipe("a lighthouse").images[0]
         >>> with cache.use("flux", loras={"ghibli": 0.8, "detail": 0.4}) as pipe:  # doctest: +SKIP
@@ -212,14 +227,50 @@ class ModelCache:
         ...     image = pipe(prompt_embeds=t5, pooled_prompt_embeds=clip).images[0]
         """
         wanted = lora_weights(loras)  # checked before anything moves
+        base = name
+        if controlnet is not None:
+            name = self._with_controlnet(name, controlnet)
         pipe, _, hold = self._switch(name, mode="use", without=without)
         entered: list[Any] = []
         try:
-            entered = self._attach(name, pipe, wanted, _roles(without))
+            entered = self._attach(base, pipe, wanted, _roles(without))
             yield pipe
         finally:
             self._fusions.leave(entered)
             self._release(hold)
+
+    def controlnets(self) -> list[str]:
+        """The ControlNet names under ``<store>/controlnets``."""
+        folder = self._controlnets
+        if folder is None or not os.path.isdir(folder):
+            return []
+        return sorted(
+            n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n, "config.json"))
+        )
+
+    def _with_controlnet(self, base: str, controlnet: str | os.PathLike) -> str:
+        """The store's name for ``base`` with ``controlnet`` (a name or a folder) attached."""
+        import difflib
+        import hashlib
+
+        given = os.fspath(controlnet)
+        named = os.path.join(self._controlnets, given) if self._controlnets else None
+        if named is not None and os.sep not in given and os.path.isdir(named):
+            return self.store.with_controlnet(base, named, given)
+        if os.path.isdir(given):
+            path = os.path.abspath(given)
+            tag = hashlib.sha256(path.encode()).hexdigest()[:8]
+            return self.store.with_controlnet(base, path, f"{os.path.basename(path)}#{tag}")
+        names = self.controlnets()
+        close = difflib.get_close_matches(given, names)
+        raise UnknownModel(
+            f"no ControlNet {given!r} in {self._controlnets or '(no store folder: give a path)'}"
+            + (f"; did you mean {', '.join(close)}?" if close else "")
+            + (f" (there: {', '.join(names[:20])})" if names else ""),
+            name=given,
+            available=names,
+            close=close,
+        )
 
     def _attach(
         self, name: str, pipe: Any, wanted: list[tuple[str, float]], without: frozenset[str]

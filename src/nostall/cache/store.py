@@ -55,6 +55,7 @@ from nostall.checkpoint import Checkpoint, resolve
 from nostall.checkpoint.digest import FileIdentity, hash_file_data
 from nostall.checkpoint.files import open_regular, parse_json
 from nostall.errors import (
+    AdapterError,
     ArgumentError,
     CheckpointError,
     FileChanged,
@@ -63,7 +64,27 @@ from nostall.errors import (
     UnknownModel,
 )
 
-__all__ = ["ComponentEntry", "PipelineEntry", "Store"]
+__all__ = ["CONTROLNET_PIPELINES", "ComponentEntry", "PipelineEntry", "Store"]
+
+# the diffusers pipeline a base pipeline becomes with a ControlNet attached
+CONTROLNET_PIPELINES = {
+    "StableDiffusionPipeline": "StableDiffusionControlNetPipeline",
+    "StableDiffusionXLPipeline": "StableDiffusionXLControlNetPipeline",
+    "StableDiffusion3Pipeline": "StableDiffusion3ControlNetPipeline",
+    "FluxPipeline": "FluxControlNetPipeline",
+}
+# the ControlNet classes each base takes, and the config fields a ControlNet shares with
+# its base's denoiser (another value: a ControlNet of another model)
+_CONTROLNET_CLASSES = {
+    "StableDiffusionPipeline": ("ControlNetModel",),
+    "StableDiffusionXLPipeline": ("ControlNetModel", "ControlNetUnionModel"),
+    "StableDiffusion3Pipeline": ("SD3ControlNetModel",),
+    "FluxPipeline": ("FluxControlNetModel",),
+}
+_SHARED_FIELDS = ("in_channels", "cross_attention_dim", "block_out_channels",
+                  "attention_head_dim", "num_attention_heads", "joint_attention_dim",
+                  "pooled_projection_dim", "addition_embed_type",
+                  "projection_class_embeddings_input_dim")  # fmt: skip
 
 INDEX = "model_index.json"
 # Config fields that say where or with what a component was saved, not what it is.
@@ -201,6 +222,7 @@ class Store:
         self.index = DigestIndex(cache_dir)
         self.key = _share_key(models, variant, cache_dir)
         self._entries: dict[str, PipelineEntry] = {}
+        self._attached: dict[str, tuple[str, str]] = {}  # name -> (base, controlnet folder)
         # content digest -> the key this process first served that content under
         self._canon: dict[str, str] = {}
         self._lock = threading.RLock()
@@ -255,9 +277,83 @@ class Store:
     def names(self) -> list[str]:
         return sorted(self._folders)
 
+    def with_controlnet(self, base: str, controlnet: str | os.PathLike, label: str) -> str:
+        """The name (``base+label``) of pipeline ``base`` with the ControlNet in folder
+        ``controlnet`` attached: diffusers' ControlNet pipeline class for ``base``'s,
+        ``base``'s components plus ``controlnet``; an :meth:`entry` like any other, whose
+        shared components are the base's, key for key."""
+        folder = os.path.abspath(os.fspath(controlnet))
+        entry = self.entry(base)
+        if entry.class_name not in CONTROLNET_PIPELINES:
+            raise ArgumentError(
+                f"pipeline {base!r} ({entry.class_name}) takes no ControlNet here; nostall "
+                f"attaches them to {', '.join(sorted(CONTROLNET_PIPELINES))}",
+                field="controlnet",
+            )
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            raise CheckpointError(
+                "not a ControlNet folder (no config.json): give the folder that "
+                "ControlNetModel.save_pretrained wrote",
+                path=folder,
+            )
+        name = f"{base}+{label}"
+        with self._lock:
+            if self._attached.get(name, (base, folder)) != (base, folder):
+                self._entries.pop(name, None)  # the label now means another folder
+            self._attached[name] = (base, folder)
+        return name
+
+    def _with_controlnet(self, name: str) -> PipelineEntry:
+        base_name, folder = self._attached[name]
+        base = self.entry(base_name)
+        config = _read_json(os.path.join(folder, "config.json"), "ControlNet config")
+        cls = config.get("_class_name")
+        if not isinstance(cls, str):
+            raise CheckpointError(
+                'the ControlNet config has no "_class_name"',
+                path=os.path.join(folder, "config.json"),
+            )
+        allowed = _CONTROLNET_CLASSES[base.class_name]
+        if cls not in allowed:
+            raise AdapterError(
+                f"the ControlNet in {folder} is a {cls}; {base.class_name} takes "
+                f"{' or '.join(allowed)} (a ControlNet for another architecture?)",
+                path=folder,
+                field="controlnet",
+            )
+        denoiser = base.components.get("unet") or base.components.get("transformer")
+        if denoiser is not None:
+            own = _read_json(os.path.join(denoiser.folder, "config.json"), "denoiser config")
+            for key in _SHARED_FIELDS:
+                if key in config and key in own and config[key] != own[key]:
+                    raise AdapterError(
+                        f"the ControlNet in {folder} does not fit {base_name}: its {key} is "
+                        f"{config[key]!r}, the base's {own[key]!r} (a ControlNet for another "
+                        "model?)",
+                        path=folder,
+                        layer=key,
+                        field="controlnet",
+                    )
+        comp = self._component("controlnet", "diffusers", cls, folder, folder)
+        return PipelineEntry(
+            name,
+            base.folder,
+            CONTROLNET_PIPELINES[base.class_name],
+            {**base.components, "controlnet": comp},
+            base.config,
+            base.stamps,
+        )
+
     def entry(self, name: str) -> PipelineEntry:
         """The pipeline called ``name``, as its files are now; :class:`~nostall.UnknownModel`
         lists the others."""
+        if name in self._attached:
+            with self._lock:
+                cached = self._entries.get(name)
+                if cached is not None and _unchanged(cached):
+                    return cached
+                entry = self._entries[name] = self._with_controlnet(name)
+                return entry
         folder = self._folders.get(name)
         if folder is None:
             names = self.names()

@@ -20,7 +20,14 @@ from nostall.cli.app import (
     usage_errors,
 )
 
-__all__ = ["bench_decode", "bench_fp8", "bench_load", "bench_serve", "bench_switch"]
+__all__ = [
+    "bench_adapters",
+    "bench_decode",
+    "bench_fp8",
+    "bench_load",
+    "bench_serve",
+    "bench_switch",
+]
 
 _DEVICE = "cuda[:N] or cpu (default: cuda when available)."
 _SWITCH_SIZES = ("full", "full-lean", "full-flux", "tiny")
@@ -402,5 +409,51 @@ def bench_switch(
         save=lambda r: write_report(r, out, overwrite=True),
         drop_caches=drop_caches,
     )
+    _show(bench.tables(report))
+    console.print(f"report written to {out}")
+
+
+@bench_app.command("adapters")
+def bench_adapters(
+    size: str = typer.Option(
+        "full",
+        help="full (FLUX.1-dev layout, 34 GB; LoRA ranks 16, 64, 128 on its 418 block linears) "
+        "or tiny (the tiny FLUX, ranks 2, 4, 8: seconds on a CPU).",
+    ),
+    device: str = device_option(_DEVICE),
+    part: list[str] = typer.Option(  # noqa: B008
+        None, "--part", help="peer (diffusers + PEFT), nostall (repeatable; default both)."
+    ),
+    repeat: int = typer.Option(5, callback=in_range(1), help="Timed runs per figure (medians)."),
+    work: str = typer.Option(
+        None,
+        help="Folder for the store and its LoRAs (default: full /tmp/nostall-bench/adapters, "
+        "kept for the next run; tiny a temporary one).",
+    ),
+    out: str = typer.Option(
+        f"{BENCH_OUT}/adapters.json", help="JSON report path (recorded results: docs/bench/)."
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing report."),
+) -> None:
+    """LoRAs on a cached FLUX: nostall's fused switches against diffusers + PEFT (loads,
+    hotswap, fuse), the forward with a LoRA against the base, recompiles under
+    torch.compile and the base restored bit for bit."""
+    from nostall.bench import adapters as bench
+    from nostall.bench.record import write_report
+
+    check_choices([size], tuple(bench.SIZES), "--size")
+    parts = check_choices(part or bench.PARTS, bench.PARTS, "--part")
+    check_output(out, hint="--out", overwrite=overwrite)
+    with usage_errors():
+        report = bench.run_adapters_bench(
+            size=size,
+            device=device,
+            parts=parts,
+            repeat=repeat,
+            work=work,
+            log=_log,
+            save=lambda r: write_report(r, out, overwrite=True),
+        )
+    write_report(report, out, overwrite=True)
     _show(bench.tables(report))
     console.print(f"report written to {out}")
