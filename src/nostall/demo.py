@@ -199,12 +199,15 @@ def _decoder_modes(vae, z, dev: torch.device) -> list[tuple[str, float, str]]:
     return rows
 
 
-def run_switch_demo(*, device: str, folder: str | None = None) -> tuple[list, bool]:
+def run_switch_demo(*, device: str, folder: str | None = None) -> tuple[list, bool, dict]:
     """Write a store of tiny random pipelines and switch flux → sdxl → flux → flux-b → flux
-    through a :class:`~nostall.ModelCache` whose device tier holds one pipeline at a time.
+    through a :class:`~nostall.ModelCache` whose device tier holds one pipeline at a time;
+    then fuse a random LoRA into FLUX for one block, and take the base again.
 
-    Returns the switch reports and whether every image equals the same pipeline's from
-    diffusers ``from_pretrained`` (two denoising steps, fixed seed).
+    Returns the switch reports, whether every image equals the same pipeline's from
+    diffusers ``from_pretrained`` (two denoising steps, fixed seed), and the LoRA's
+    figures: the fuse's seconds, its image's largest difference from diffusers'
+    ``load_lora_weights`` (``None`` without peft), whether the base came back bit for bit.
     """
     import numpy as np
     from diffusers import DiffusionPipeline
@@ -233,13 +236,32 @@ def run_switch_demo(*, device: str, folder: str | None = None) -> tuple[list, bo
         paths = write_store(tmp, ("flux", "flux-b", "sdxl"))
         refs = {n: image(DiffusionPipeline.from_pretrained(p).to(dev), n) for n, p in paths.items()}
         reports, equal = [], True
+        from nostall.synthetic import write_lora
+
+        os.makedirs(os.path.join(tmp, "loras"))
+        write_lora(paths["flux"], os.path.join(tmp, "loras", "style.safetensors"), std=0.2)
+        lora: dict = {"diff_from_diffusers": None}
         # 2 MB: one tiny pipeline (SDXL is 1.6 MB) at a time.
         with ModelCache(tmp, device=dev, gpu_budget=2_000_000, host_budget=64 << 20) as cache:
             for name in ("flux", "sdxl", "flux", "flux-b", "flux"):
                 with cache.use(name) as pipe:
                     equal &= bool(np.array_equal(image(pipe, name), refs[name]))
                 reports.append(cache.last_report)
-        return reports, equal
+            t = time.perf_counter()
+            with cache.use("flux", loras={"style": 0.8}) as pipe:
+                lora["fuse_s"] = time.perf_counter() - t - cache.last_report.total_s
+                styled = image(pipe, "flux")
+            with cache.use("flux") as pipe:
+                lora["base_back"] = bool(np.array_equal(image(pipe, "flux"), refs["flux"]))
+        lora["changed"] = float(np.abs(styled - refs["flux"]).max())
+        try:
+            ref = DiffusionPipeline.from_pretrained(paths["flux"]).to(dev)
+            ref.load_lora_weights(os.path.join(tmp, "loras", "style.safetensors"))
+            ref.set_adapters(["default_0"], [0.8])
+            lora["diff_from_diffusers"] = float(np.abs(styled - image(ref, "flux")).max())
+        except ImportError:  # diffusers needs peft for its LoRAs; nostall does not
+            pass
+        return reports, equal, lora
 
 
 def run_fp8_demo(*, device: str) -> dict:
@@ -436,7 +458,7 @@ def _show_switch(console, device: str) -> bool:
         "\n[bold]Model cache[/bold]: a store of tiny random FLUX, FLUX-b (same architecture, "
         "own transformer) and SDXL pipelines; the device tier holds one pipeline at a time."
     )
-    reports, equal = run_switch_demo(device=device)
+    reports, equal, lora = run_switch_demo(device=device)
     for report in reports:
         console.print(report.table())
     if not equal:
@@ -445,7 +467,17 @@ def _show_switch(console, device: str) -> bool:
     console.print(
         "Every image equal to the same pipeline from diffusers' from_pretrained, bit for bit."
     )
-    return True
+    diff = lora["diff_from_diffusers"]
+    console.print(
+        f"A random LoRA fused into FLUX's resident weights in {lora['fuse_s'] * 1e3:.1f} ms "
+        f"(the image moved by {lora['changed']:.3f}; "
+        + ("diffusers' load_lora_weights not checked: no peft)" if diff is None
+           else f"{diff:.1e} from diffusers' load_lora_weights + set_adapters)")
+        + "; the base after it: "
+        + ("bit for bit." if lora["base_back"] else "[red]DIFFERENT[/red]."),
+        highlight=False,
+    )  # fmt: skip
+    return lora["base_back"] and lora["changed"] > 1e-3 and (diff is None or diff < 1e-4)
 
 
 def _show_fp8(console, device: str) -> bool:

@@ -1,5 +1,6 @@
 """``nostall bench adapters`` end to end on the CPU with the tiny FLUX pipeline: every part
-from the CLI, the six targets, the LoRA files as both readers see them, and the refusals."""
+from the CLI, the six targets, the LoRA and ControlNet files as the readers see them, and
+the refusals."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import json
 import os
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from nostall.bench.adapters import PARTS, evaluate_targets, write_loras
+from nostall.bench.adapters_controlnet import CONTROLNET, LAYOUTS, write_controlnet
 from nostall.cli import app
 
 pytest.importorskip("diffusers")
@@ -79,11 +82,99 @@ def test_the_base_comes_back_bit_for_bit_and_switches_never_recompile(run):
     assert t["lora_recompiles"]["value"] == 0 and t["lora_recompiles"]["met"] is True
 
 
-def test_controlnet_attach_is_reported_as_not_built(run):
-    report = json.loads(run[1].read_text())
+def test_controlnet_attach_fills_its_target_moving_only_the_controlnet(run):
+    _, out, result = run
+    report = json.loads(out.read_text())
+    cn = report["controlnet"]
+    ours, peer = cn["nostall"], cn["peer"]
     c = report["targets"]["controlnet_attach_gbps"]
-    assert c["value"] is None and c["met"] is None and c["threshold"] == 45.0
-    assert "not built" in c["note"] and report["controlnet"]["built"] is False
+    assert c["value"] > 0 and c["threshold"] == 45.0 and c["met"] is (c["value"] >= 45.0)
+    gbps = ours["controlnet_bytes"] / ours["attach_s"] / 1e9
+    assert c["value"] == cn["attach_gbps"] == pytest.approx(gbps)
+    assert "note" not in c
+    # the tiny ControlNet's tensors; the device tier aligns each one
+    assert ours["controlnet_bytes"] == cn["model"]["nbytes"] > 0
+    assert 0 <= ours["cache_bytes"] - ours["controlnet_bytes"] < 1024
+    # measured attach: the base resident, the ControlNet from the pinned host tier only
+    assert ours["moved_roles"] == ["controlnet"] and ours["attach_tiers"]["controlnet"] == "host"
+    assert {t for r, t in ours["attach_tiers"].items() if r != "controlnet"} == {"device"}
+    assert set(ours["attach_tiers"]) == {"controlnet", "transformer", "vae", "text_encoder",
+                                         "text_encoder_2"}  # fmt: skip
+    # the first attach read it from disk and kept it in the host tier
+    assert ours["first_attach"]["controlnet"]["tier"] == "disk"
+    assert ours["first_attach"]["controlnet"]["cached"] is True
+    assert len(ours["attach_runs_s"]) == 1 and ours["attach_s"] > 0
+    assert peer["attach_s"] > 0 and peer["from_pretrained_to_s"] > 0 and peer["attach_gbps"] > 0
+    assert "FluxControlNetPipeline" in peer["how"]
+    assert "ControlNet attach: FluxControlNetModel" in result.output
+
+
+def test_the_controlnet_image_equals_diffusers_and_shows_the_control(run):
+    report = json.loads(run[1].read_text())
+    cn = report["controlnet"]
+    img = cn["image"]
+    assert cn["nostall"]["pipeline_class"] == "FluxControlNetPipeline"
+    assert img["shape"] == [32, 32, 3] and img["tolerance"] == 1e-5
+    assert img["equal"] is True and img["max_abs_diff"] <= img["tolerance"]
+    assert img["vs_base_max_abs_diff"] > 1e-2  # the ControlNet changed the image
+
+
+def test_the_controlnet_part_runs_alone_on_the_kept_files(run, tmp_path):
+    tmp, _, _ = run
+    out = tmp_path / "cn.json"
+    result = CliRunner().invoke(app, _args(tmp / "work", out, "--part", "controlnet"))
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["config"]["parts"] == ["controlnet"] and "peer" not in report
+    assert report["controlnet"]["model"]["kept"] is True  # the first run's folder
+    assert report["loras"] == {}  # no LoRA part: none written
+    t = report["targets"]
+    assert t["controlnet_attach_gbps"]["value"] > 0
+    assert all(x["value"] is None for n, x in t.items() if n != "controlnet_attach_gbps")
+    assert "LoRAs on" not in result.output  # no empty LoRA table
+
+
+def test_a_failed_peer_still_measures_the_attach(run, monkeypatch):
+    from rich.console import Console
+
+    from nostall.bench import adapters_controlnet as cnb
+
+    def broken(self, nbytes):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(cnb.ControlNetPart, "peer", broken)
+    store = str(run[0] / "work" / "store")
+    part = cnb.ControlNetPart(store, "tiny", torch.device("cpu"), torch.float32, 1, lambda _: None)
+    out = part.run()
+    assert out["peer"] == {"error": "RuntimeError: CUDA out of memory (simulated)"}
+    assert out["attach_gbps"] > 0 and out["nostall"]["moved_roles"] == ["controlnet"]
+    assert out["image"]["equal"] is None and out["image"]["vs_base_max_abs_diff"] > 1e-2
+    console = Console(width=200, record=True)
+    console.print(cnb.table({"controlnet": out}))
+    text = console.export_text()
+    assert "not compared (diffusers failed)" in text and "CUDA out of memory" in text
+
+
+def test_the_controlnet_folder_loads_in_diffusers_and_is_rewritten_for_another_layout(
+    run, tmp_path
+):
+    from diffusers import FluxControlNetModel
+
+    store = run[0] / "work" / "store"
+    cn = FluxControlNetModel.from_pretrained(str(store / "controlnets" / CONTROLNET))
+    assert cn.config.num_layers == 1 and cn.config.num_mode == 10
+    assert cn.controlnet_blocks[0].weight.abs().max() > 0  # random, not zero-initialised
+    assert cn.config.in_channels == 16  # the tiny transformer's: the cache checks it
+    args = (str(store / "flux"), str(tmp_path / "cn"))
+    kw = {"dtype": torch.bfloat16, "log": lambda _: None}
+    first = write_controlnet(*args, layout=LAYOUTS["tiny"], **kw)
+    kept = write_controlnet(*args, layout=LAYOUTS["tiny"], **kw)
+    assert first["kept"] is False and kept["kept"] is True and kept["write_s"] == 0.0
+    bf16 = sum(p.numel() * 2 for p in cn.state_dict().values())  # the tiny run's is float32
+    assert kept["nbytes"] == first["nbytes"] == bf16
+    again = write_controlnet(*args, layout={**LAYOUTS["tiny"], "num_mode": 4}, **kw)
+    assert again["kept"] is False and again["nbytes"] < kept["nbytes"]
+    assert FluxControlNetModel.from_pretrained(args[1]).config.num_mode == 4
 
 
 def test_the_lora_files_read_as_written_and_are_kept(run):
@@ -112,8 +203,8 @@ def test_a_second_run_refuses_to_overwrite_the_report(run):
 
 def test_a_bad_part_is_a_usage_error(tmp_path):
     out = tmp_path / "a.json"
-    result = CliRunner().invoke(app, _args(tmp_path / "w", out, "--part", "controlnet"))
-    assert result.exit_code == 2 and "controlnet" in result.output
+    result = CliRunner().invoke(app, _args(tmp_path / "w", out, "--part", "ip-adapter"))
+    assert result.exit_code == 2 and "ip-adapter" in result.output
     assert not out.exists() and not (tmp_path / "w").exists()  # refused before any work
 
 
@@ -127,6 +218,7 @@ def test_targets_read_the_figures_at_the_switch_rank():
             "compiled": {"frames_compiled": 1},
             "base_restored": {"bit_exact": 1},
         },
+        "controlnet": {"attach_gbps": 51.5, "nostall": {"attach_gbps": 1.0}},
     }
     t = evaluate_targets(report)
     assert set(t) == TARGETS
@@ -136,5 +228,7 @@ def test_targets_read_the_figures_at_the_switch_rank():
     assert t["lora_forward_overhead"]["met"] is True
     assert t["lora_recompiles"]["met"] is False
     assert t["lora_base_restored_bit_exact"]["met"] is True
+    assert t["controlnet_attach_gbps"] == {"value": 51.5, "threshold": 45.0, "op": ">=",
+                                           "met": True}  # fmt: skip
     empty = evaluate_targets({})  # nothing ran: every figure unmeasured
     assert all(x["value"] is None and x["met"] is None for x in empty.values())

@@ -105,3 +105,80 @@ def test_a_string_scale_is_refused_by_the_schema(serve, loras):
     r = httpx.post(f"{server.url}/v1/images/generations",
                    json=_body(loras=[{"name": "flux-style", "scale": "1"}]), timeout=60)  # fmt: skip
     assert r.status_code == 422 and "scale" in r.text
+
+
+@pytest.fixture(scope="module")
+def controlnets(store):
+    """A tiny SDXL ControlNet under the store's controlnets/ folder."""
+    import torch
+    from diffusers import ControlNetModel, UNet2DConditionModel
+
+    folder = store / "controlnets" / "edges"
+    if not folder.exists():
+        unet = UNet2DConditionModel.from_pretrained(str(store / "sdxl" / "unet"))
+        torch.manual_seed(7)
+        cn = ControlNetModel.from_unet(
+            unet, conditioning_channels=3, conditioning_embedding_out_channels=(8, 16)
+        )
+        with torch.no_grad():
+            for p in cn.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+        cn.save_pretrained(str(folder))
+    return folder
+
+
+def _control_b64(side=32, fmt="PNG") -> str:
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(buf, fmt)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_a_request_with_a_controlnet_gets_diffusers_controlnet_image(serve, store, controlnets):
+    import torch
+    from diffusers import ControlNetModel, StableDiffusionXLControlNetPipeline
+
+    server, _ = serve()
+    control = {"name": "edges", "image": _control_b64(), "scale": 0.8}
+    with httpx.Client(base_url=server.url, timeout=300) as c:
+        base = _png(c.post("/v1/images/generations", json=_body("sdxl")))
+        got = _png(c.post("/v1/images/generations", json=_body("sdxl", controlnet=control)))
+        again = _png(c.post("/v1/images/generations", json=_body("sdxl")))
+    pipe = StableDiffusionXLControlNetPipeline.from_pretrained(
+        str(store / "sdxl"), controlnet=ControlNetModel.from_pretrained(str(controlnets))
+    )
+    pipe.set_progress_bar_config(disable=True)
+    img = Image.open(io.BytesIO(base64.b64decode(control["image"])))
+    ref = pipe(prompt="a fox", height=32, width=32, num_inference_steps=2, image=img,
+               controlnet_conditioning_scale=0.8, generator=torch.Generator().manual_seed(3),
+               output_type="pil").images[0]  # fmt: skip
+    assert np.abs(got.astype(int) - np.asarray(ref)).max() <= 1
+    assert np.abs(got.astype(int) - base).max() > 3 and np.array_equal(again, base)
+
+
+@pytest.mark.parametrize(
+    ("control", "field", "says"),
+    [
+        ({"name": "egdes", "image": "x"}, "controlnet", "edges"),
+        ({"name": "edges", "image": _control_b64(side=48)}, "controlnet.image", "32x32"),
+        ({"name": "edges", "image": "bm90IGFuIGltYWdl"}, "controlnet.image", "not a base64"),
+        ({"name": "edges", "image": _control_b64(), "scale": 9.0}, "controlnet.scale", "[0, 5]"),
+    ],
+    ids=["unknown", "wrong-size", "not-an-image", "scale"],
+)
+def test_bad_controlnet_fields_are_422(serve, controlnets, control, field, says):
+    server, _ = serve()
+    r = httpx.post(f"{server.url}/v1/images/generations",
+                   json=_body("sdxl", controlnet=control), timeout=60)  # fmt: skip
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["field"] == field and says in err["message"], err
+
+
+def test_a_controlnet_of_another_architecture_is_422_at_run_time(serve, controlnets):
+    server, worker = serve()
+    control = {"name": "edges", "image": _control_b64(), "scale": 1.0}
+    r = httpx.post(f"{server.url}/v1/images/generations",
+                   json=_body("flux", controlnet=control), timeout=120)  # fmt: skip
+    assert r.status_code == 422 and r.json()["error"]["field"] == "controlnet", r.text
+    assert worker.ready

@@ -174,9 +174,13 @@ def _write(param: torch.Tensor, base: torch.Tensor, parts: list[tuple[LoraLayer,
     x, w = parts[0]
     if x.down.ndim == 2:  # a linear layer: fused multiply-adds in the weight's dtype
         dev, dt = param.device, param.dtype
-        torch.addmm(base, x.up.to(dev, dt), x.down.to(dev, dt), alpha=w * x.scale, out=param.data)
+
+        def to(t: torch.Tensor) -> torch.Tensor:  # (pinned factors: an async copy)
+            return t.to(dev, non_blocking=True).to(dt)
+
+        torch.addmm(base, to(x.up), to(x.down), alpha=w * x.scale, out=param.data)
         for x, w in parts[1:]:
-            param.data.addmm_(x.up.to(dev, dt), x.down.to(dev, dt), alpha=w * x.scale)
+            param.data.addmm_(to(x.up), to(x.down), alpha=w * x.scale)
         return
     acc = base.to(torch.float32, copy=True)  # convolutions: summed in float32, rounded once
     for x, w in parts:

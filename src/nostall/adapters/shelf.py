@@ -73,14 +73,30 @@ def _unet_config(folder: str | None) -> dict[str, Any] | None:
         return FrozenDict(json.load(f))
 
 
+def _pinned(lora: Lora) -> Lora:
+    import dataclasses
+
+    def pin(t):
+        return None if t is None else t.pin_memory()
+
+    layers = tuple(
+        dataclasses.replace(x, down=pin(x.down), up=pin(x.up), bias=pin(x.bias))
+        for x in lora.layers
+    )
+    return dataclasses.replace(lora, layers=layers)
+
+
 class Shelf:
     """LoRAs by name under ``folder`` (``<store>/loras``; ``None``: paths only), read
     once per file identity and pipeline class; those read last are kept, up to
     ``budget`` bytes (a LoRA larger than the whole budget is read each time)."""
 
-    def __init__(self, folder: str | os.PathLike | None, budget: int = 4 << 30):
+    def __init__(
+        self, folder: str | os.PathLike | None, budget: int = 4 << 30, *, pin: bool = False
+    ):
         self.folder = os.fspath(folder) if folder is not None else None
         self.budget = budget
+        self.pin = pin  # page-locked factors: a fuse copies them to the GPU at link speed
         self._read: OrderedDict[tuple, Lora] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -127,6 +143,8 @@ class Shelf:
                 self._read.move_to_end(key)
                 return got
         lora = read_lora(path, pipeline_class, name=name, unet_config=_unet_config(pipeline_folder))
+        if self.pin:
+            lora = _pinned(lora)
         with self._lock:
             for k in [k for k in self._read if k[0] == path and k[5] == pipeline_class]:
                 del self._read[k]  # an older version of the same file

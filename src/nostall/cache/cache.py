@@ -147,7 +147,10 @@ class ModelCache:
         self._modules = Instances(dtype, mirror_file=self.device.type == "cpu")
         self._holds = Holds()
         # LoRAs: read from <store>/loras (or paths), fused into resident modules per use()
-        self._shelf = Shelf(os.path.join(self.store.root, "loras") if self.store.root else None)
+        self._shelf = Shelf(
+            os.path.join(self.store.root, "loras") if self.store.root else None,
+            pin=self.device.type == "cuda",
+        )
         self._fusions = Fusions(wait_s)
         root = self.store.root
         self._controlnets = os.path.join(root, "controlnets") if root else None

@@ -422,7 +422,9 @@ def bench_adapters(
     ),
     device: str = device_option(_DEVICE),
     part: list[str] = typer.Option(  # noqa: B008
-        None, "--part", help="peer (diffusers + PEFT), nostall (repeatable; default both)."
+        None,
+        "--part",
+        help="peer (diffusers + PEFT), nostall, controlnet (repeatable; default all).",
     ),
     repeat: int = typer.Option(5, callback=in_range(1), help="Timed runs per figure (medians)."),
     work: str = typer.Option(

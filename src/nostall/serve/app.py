@@ -3,8 +3,10 @@
 ``POST /v1/images/generations``  OpenAI's images API shape plus nostall's fields:
     ``{"model", "prompt", "size": "WxH", "steps", "seed", "guidance",
     "negative_prompt", "max_sequence_length", "loras": [{"name", "scale"}],
-    "response_format": "b64_json" | "png"}`` (``loras``: names of the server's
-    ``<store>/loras``, fused for this request; requests without them get the base);
+    "controlnet": {"name", "image", "scale"}, "response_format": "b64_json" | "png"}``
+    (``loras``: names of the server's ``<store>/loras``, fused for this request;
+    requests without them get the base; ``controlnet``: a name of its
+    ``<store>/controlnets``, with a base64 control image of the request's size);
     answers ``{"created", "data": [{"b64_json"}], "nostall": {...}}`` or the PNG bytes.
 ``POST /v1/videos/decode?model=&fps=&mode=&denormalize=``  body: safetensors bytes
     holding ``latents`` (1, C, T, h, w); answers the MP4.
@@ -68,6 +70,18 @@ class LoraRef(BaseModel):
     scale: float = 1.0
 
 
+class ControlRef(BaseModel):
+    """The ControlNet of an images request: a name of the server's
+    ``<store>/controlnets``, the control image (base64 PNG/JPEG/WebP of the request's
+    size) and its conditioning scale."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+    image: str
+    scale: float = 1.0
+
+
 class ImageBody(BaseModel):
     """The images/generations body. OpenAI's ``n`` (1 only), ``user``, ``quality`` and
     ``style`` are accepted and ignored; unknown fields are refused (a typo should not
@@ -85,6 +99,7 @@ class ImageBody(BaseModel):
     negative_prompt: str | None = None
     max_sequence_length: int | None = None
     loras: list[LoraRef] | None = None
+    controlnet: ControlRef | None = None
     response_format: Literal["b64_json", "png"] = "b64_json"
     n: int = 1
     user: str | None = None
@@ -161,7 +176,13 @@ def create_app(
         app,
         token=token,
         max_body=max_body,
-        body_limits={"/v1/videos/decode": worker.limits.max_latent_bytes},
+        body_limits={
+            "/v1/videos/decode": worker.limits.max_latent_bytes,
+            # a ControlNet image rides in the JSON, base64
+            "/v1/images/generations": max(
+                max_body, worker.limits.max_control_bytes * 4 // 3 + 4096
+            ),
+        },
         body_timeout=body_timeout,
         time_limit=time_limit,
     )

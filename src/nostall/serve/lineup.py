@@ -167,7 +167,7 @@ def _terms(job: Any, batching: bool) -> tuple[str, Hashable, float]:
         return f"{job.model} (vae)", object(), latents.numel() / 1e6
     key = job.model
     work = job.width * job.height * job.steps / 1e6
-    if not batching:
+    if not batching or getattr(job, "controlnet", None) is not None:  # its own image
         return key, object(), work
     shape = (
         job.width,

@@ -41,6 +41,7 @@ __all__ = [
     "Limits",
     "RuleBook",
     "VideoRules",
+    "check_controlnet",
     "check_image",
     "check_loras",
     "check_video",
@@ -66,6 +67,7 @@ class Limits:
     max_steps: int = 150
     max_prompt_chars: int = 4000
     max_loras: int = 8
+    max_control_bytes: int = 16 << 20  # a ControlNet image, base64-decoded
     max_guidance: float = 50.0
     max_latent_bytes: int = 128 << 20
     max_video_frames: int = 161
@@ -320,6 +322,77 @@ def check_loras(
             )  # fmt: skip
         pairs.append((name, scale))
     return tuple(lora_weights(pairs))
+
+
+MAX_CONTROL_SCALE = 5.0
+
+
+def check_controlnet(
+    body: Mapping[str, Any], available: list[str], size: tuple[int, int], limits: Limits
+) -> tuple[str, Any, float] | None:
+    """The request's ``controlnet`` (``{"name", "image": base64 PNG/JPEG, "scale"}``) as
+    ``(name, PIL image, scale)``: a name of the store's ControlNets, an image of the
+    request's own ``size`` (``(width, height)``), a finite scale in [0, 5]; else
+    :class:`~nostall.ArgumentError` naming ``controlnet`` (or ``controlnet.image``)."""
+    import base64
+    import binascii
+    import io
+
+    raw = body.get("controlnet")
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping) or set(raw) - {"name", "image", "scale"}:
+        raise ArgumentError(
+            "controlnet: give {name, image, scale}", field="controlnet",
+            allowed={"names": available[:50]},
+        )  # fmt: skip
+    name = raw.get("name")
+    if not isinstance(name, str) or name not in available:
+        close = difflib.get_close_matches(str(name), available)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ArgumentError(
+            f"controlnet: no ControlNet {name!r} on this server{hint}", field="controlnet",
+            allowed={"names": close or available[:50]},
+        )  # fmt: skip
+    scale = raw.get("scale", 1.0)
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not 0.0 <= scale <= MAX_CONTROL_SCALE
+    ):
+        raise ArgumentError(
+            f"controlnet.scale={scale!r}: a number in [0, {MAX_CONTROL_SCALE:g}]",
+            field="controlnet.scale", allowed={"min": 0.0, "max": MAX_CONTROL_SCALE},
+        )  # fmt: skip
+    data = raw.get("image")
+    if not isinstance(data, str) or len(data) > limits.max_control_bytes * 4 // 3 + 4:
+        raise ArgumentError(
+            f"controlnet.image: a base64 PNG or JPEG of at most "
+            f"{limits.max_control_bytes >> 20} MB", field="controlnet.image",
+        )  # fmt: skip
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        img = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
+        if img.format not in ("PNG", "JPEG", "WEBP"):
+            raise ArgumentError(
+                f"controlnet.image: a {img.format} image; send PNG, JPEG or WebP",
+                field="controlnet.image",
+            )
+        img.load()
+    except (binascii.Error, ValueError, UnidentifiedImageError, OSError) as e:
+        if isinstance(e, ArgumentError):
+            raise
+        raise ArgumentError(
+            f"controlnet.image is not a base64 image ({type(e).__name__}: {e})",
+            field="controlnet.image",
+        ) from None
+    if img.size != size:
+        raise ArgumentError(
+            f"controlnet.image is {img.size[0]}x{img.size[1]}; it must be the image's size, "
+            f"{size[0]}x{size[1]}", field="controlnet.image", allowed=f"{size[0]}x{size[1]}",
+        )  # fmt: skip
+    return name, img.convert("RGB"), float(scale)
 
 
 def check_image(body: Mapping[str, Any], rules: ImageRules, limits: Limits) -> dict[str, Any]:

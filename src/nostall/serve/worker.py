@@ -40,6 +40,7 @@ import torch
 from nostall.cache import ModelCache, Store
 from nostall.cache.host import cpu_tier_bytes
 from nostall.cache.report import human_bytes
+from nostall.cache.store import CONTROLNET_PIPELINES
 from nostall.errors import (  # the job errors live in the one tree; imported here as before
     ArgumentError,
     Cancelled,
@@ -56,7 +57,14 @@ from nostall.logs import LibraryWarningsOnce
 from nostall.serve.budget import DeviceBudget, is_out_of_memory, unfit, video_only
 from nostall.serve.calls import PhaseClock, batch_arguments, cat_embeds, image_kwargs, sync
 from nostall.serve.lineup import Lineup
-from nostall.serve.requests import Limits, RuleBook, check_image, check_loras, check_video
+from nostall.serve.requests import (
+    Limits,
+    RuleBook,
+    check_controlnet,
+    check_image,
+    check_loras,
+    check_video,
+)
 from nostall.serve.results import Result, Settler
 from nostall.serve.schedule import Policy
 from nostall.transfer.loader import resolve_device
@@ -85,6 +93,7 @@ class ImageJob:
     negative_prompt: str | None = None
     max_sequence_length: int | None = None
     loras: tuple[tuple[str, float], ...] = ()  # fused for this job (name, weight)
+    controlnet: tuple[str, Any, float] | None = None  # (name, control image, scale)
 
 
 @dataclass
@@ -352,7 +361,15 @@ class Worker:
                 e.allowed = self._serving("image")
             raise
         loras = check_loras(body, self.cache.loras(), self.limits)
-        return ImageJob(model=model, **fields, loras=loras)
+        control = None
+        if body.get("controlnet") is not None:
+            if self.cache.store.entry(model).class_name not in CONTROLNET_PIPELINES:
+                raise ArgumentError(
+                    f"controlnet: {model!r} takes no ControlNet here", field="controlnet"
+                )
+            size = (fields["width"], fields["height"])
+            control = check_controlnet(body, self.cache.controlnets(), size, self.limits)
+        return ImageJob(model=model, **fields, loras=loras, controlnet=control)
 
     def video_job(
         self,
@@ -581,7 +598,8 @@ class Worker:
         self._read_loras(job)
         remote = self._embed_pool.submit(self._remote_embeds, job) if roles else None
         embeds, text_wait, service_s = None, 0.0, 0.0
-        with self.cache.use(job.model, without=roles, loras=job.loras) as pipe:
+        control = job.controlnet[0] if job.controlnet else None
+        with self.cache.use(job.model, without=roles, loras=job.loras, controlnet=control) as pipe:
             switched = time.perf_counter()
             report = self._switch_report(job.model)
             if remote is not None:
@@ -595,7 +613,7 @@ class Worker:
             if embeds is not None or not roles:
                 image, clock, done = self._generate(pipe, job, embeds)
         if roles and embeds is None:  # the service failed: the whole pipeline, locally
-            with self.cache.use(job.model, loras=job.loras) as pipe:
+            with self.cache.use(job.model, loras=job.loras, controlnet=control) as pipe:
                 switched = time.perf_counter()
                 report = self._switch_report(job.model)
                 image, clock, done = self._generate(pipe, job, None)
@@ -648,6 +666,8 @@ class Worker:
         try:
             jobs = job if isinstance(job, list) else [job]
             kwargs = image_kwargs(pipe, jobs[0], self.device)
+            if jobs[0].controlnet is not None:  # (never batched: lineup)
+                _, kwargs["image"], kwargs["controlnet_conditioning_scale"] = jobs[0].controlnet
             if len(jobs) > 1:
                 kwargs.update(batch_arguments(jobs, self.device))
             if embeds is not None:
@@ -668,8 +688,8 @@ class Worker:
             if entry.components.get("vae") is None:
                 raise ArgumentError(f"pipeline {job.model!r} has no vae to decode latents with")
             return tuple(c.role for c in entry.weights if c.role != "vae")
-        if job.loras:  # a LoRA may adapt the text encoders: the service would not see it
-            return ()
+        if job.loras or job.controlnet:  # (a LoRA may adapt the text encoders; a
+            return ()  # ControlNet pipeline is another class): the whole pipeline, here
         return self._remote_roles(job.model)
 
     def _video(self, job: VideoJob, start: float) -> Result:
