@@ -12,16 +12,25 @@ from nostall import ModelCache
 
 
 def test_twenty_lora_switches_recompile_nothing(tmp_path):
-    from torch._dynamo.utils import counters
 
     from nostall.synthetic import write_lora, write_store
-    from nostall.synthetic.transformer import step_inputs
 
     write_store(tmp_path, ("flux",))
     (tmp_path / "loras").mkdir()
     for i in range(2):
         write_lora(tmp_path / "flux", tmp_path / "loras" / f"l{i}.safetensors", rank=2, seed=i)
     torch._dynamo.reset()
+    try:
+        _switch_twenty_times(tmp_path)
+    finally:
+        torch._dynamo.reset()  # no compiled state (nor its fake tensors) for later tests
+
+
+def _switch_twenty_times(tmp_path):
+    from torch._dynamo.utils import counters
+
+    from nostall.synthetic.transformer import step_inputs
+
     with ModelCache(tmp_path, device="cpu") as cache:
         with cache.use("flux") as pipe:
             t = pipe.transformer

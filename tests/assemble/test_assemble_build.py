@@ -55,8 +55,12 @@ def init_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, list[str]]
 @pytest.fixture
 def hf_init_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """Initialisers transformers' own init helpers got past their skip-flag check."""
+    import importlib
+
     calls: list[str] = []
-    table = transformers.initialization.TORCH_INIT_FUNCTIONS
+    # a submodule: an attribute of the package only once imported (the suite's order
+    # decided whether some earlier test had)
+    table = importlib.import_module(f"{transformers.__name__}.initialization").TORCH_INIT_FUNCTIONS
     for name, original in list(table.items()):
 
         def record(*args, _name=name, _original=original, **kwargs):

@@ -303,11 +303,15 @@ def _views_of(ptr: int) -> int:
     import torch
 
     gc.collect()
-    return sum(
-        1
-        for o in gc.get_objects()
-        if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() == ptr
-    )
+    n = 0
+    for o in gc.get_objects():
+        if not isinstance(o, torch.Tensor):
+            continue
+        try:
+            n += o.untyped_storage().data_ptr() == ptr
+        except RuntimeError:  # a fake tensor an earlier torch.compile left: no storage
+            continue
+    return n
 
 
 def test_a_stopped_worker_keeps_no_view_of_its_device_tier(store):

@@ -67,12 +67,11 @@ class Fusions:
                 by_role.setdefault(x.role, []).append((x, w))
             for role in lora.roles:
                 wanted.setdefault(role, []).append((lora.path, id(lora), float(w)))
-        entered: list[torch.nn.Module] = []
+        items = [(m, tuple(wanted.get(role, ())), role) for role, m in sorted(modules.items())]
+        taken = self._take_all(items)
+        entered = [st.module for st, _, _ in taken]
         try:
-            for role, module in sorted(modules.items()):
-                want = tuple(wanted.get(role, ()))
-                st, change = self._take(module, want)
-                entered.append(module)
+            for (st, want, change), (_, _, role) in zip(taken, items, strict=True):
                 if change:
                     self._change(st, want, by_role.get(role, []))
         except BaseException:
@@ -80,25 +79,33 @@ class Fusions:
             raise
         return entered
 
-    def _take(self, module: torch.nn.Module, want: Wanted) -> tuple[_State, bool]:
-        """Count the caller as a user of ``module``; whether it must change its state
-        (then no one else uses it until :meth:`_change` is done)."""
+    def _take_all(
+        self, items: list[tuple[torch.nn.Module, Wanted, str]]
+    ) -> list[tuple[_State, Wanted, bool]]:
+        """Count the caller as a user of every module of ``items`` at once, once each is
+        free or already as wanted (all or none: two callers wanting two shared modules in
+        other states never hold one each and wait for the other); per module, whether
+        the caller must change it (then no one else uses it until :meth:`_change` ends)."""
         with self._cond:
-            st = self._state(module)
+            states = [(self._state(m), want) for m, want, _ in items]
             if not self._cond.wait_for(
-                lambda: st.users == 0 or st.applied == want, timeout=self.wait_s
+                lambda: all(st.users == 0 or st.applied == w for st, w in states),
+                timeout=self.wait_s,
             ):
                 from nostall.errors import BusyError
 
+                busy = [type(st.module).__name__ for st, w in states if st.applied != w]
                 raise BusyError(
-                    f"{type(module).__name__} stayed in use with other LoRAs for "
-                    f"{self.wait_s:.0f} s"
+                    f"{', '.join(busy)} stayed in use with other LoRAs for {self.wait_s:.0f} s"
                 )
-            st.users += 1
-            if st.applied == want:
-                return st, False
-            st.applied = _CHANGING  # matches no one's wish: later callers wait
-            return st, True
+            out = []
+            for st, want in states:
+                st.users += 1
+                change = st.applied != want
+                if change:
+                    st.applied = _CHANGING  # matches no one's wish: later callers wait
+                out.append((st, want, change))
+            return out
 
     def _change(self, st: _State, want: Wanted, layers: list[tuple[LoraLayer, float]]) -> None:
         try:

@@ -1,0 +1,80 @@
+"""Fusions on plain modules: the weights are base + Σ weight·scale·B@A, the base comes back
+bit for bit, and callers wanting other LoRAs take turns (all modules or none: no deadlock
+over two shared modules)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from nostall.adapters import Fusions, Lora, LoraLayer
+from nostall.errors import BusyError
+
+
+def _module(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    m = torch.nn.Module()
+    m.lin = torch.nn.Linear(8, 6)
+    return m
+
+
+def _lora(name: str, role: str, seed: int, scale: float = 0.5) -> Lora:
+    g = torch.Generator().manual_seed(seed)
+    layer = LoraLayer(role, "lin", torch.randn(2, 8, generator=g), torch.randn(6, 2, generator=g),
+                      scale)  # fmt: skip
+    return Lora(name, f"/{name}.safetensors", "FluxPipeline", (layer,))
+
+
+def test_fused_weights_and_the_base_back_bit_for_bit():
+    m = _module(0)
+    base = m.lin.weight.detach().clone()
+    a, b = _lora("a", "transformer", 1), _lora("b", "transformer", 2, scale=2.0)
+    f = Fusions()
+    f.leave(f.enter({"transformer": m}, [(a, 0.8), (b, 0.4)]))
+    want = base + 0.8 * 0.5 * a.layers[0].up @ a.layers[0].down
+    want += 0.4 * 2.0 * b.layers[0].up @ b.layers[0].down
+    assert torch.allclose(m.lin.weight, want, atol=1e-6)
+    f.leave(f.enter({"transformer": m}, [(b, 1.0)]))  # straight from one set to another
+    assert torch.allclose(m.lin.weight, base + 2.0 * b.layers[0].up @ b.layers[0].down, atol=1e-6)
+    f.leave(f.enter({"transformer": m}, []))
+    assert torch.equal(m.lin.weight, base)
+
+
+def test_callers_wanting_other_loras_on_two_shared_modules_take_turns():
+    m1, m2 = _module(0), _module(1)
+    mods = {"text_encoder": m1, "transformer": m2}
+    x = [(_lora("x", "transformer", 3), 1.0), (_lora("x1", "text_encoder", 4), 1.0)]
+    y = [(_lora("y", "transformer", 5), 1.0)]
+    f = Fusions()
+    first = f.enter(mods, x)
+    same = f.enter(mods, x)  # the same state: enters at once
+    order: list[str] = []
+
+    def other():
+        f.leave(f.enter(dict(reversed(list(mods.items()))), y))
+        order.append("y")
+
+    t = threading.Thread(target=other)
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive() and not order  # waits for both holders of x
+    f.leave(same)
+    time.sleep(0.1)
+    assert not order
+    order.append("x left")
+    f.leave(first)
+    t.join(10)
+    assert order == ["x left", "y"]
+
+
+def test_a_module_held_too_long_is_a_busy_error_naming_it():
+    m = _module(0)
+    f = Fusions(wait_s=0.2)
+    held = f.enter({"transformer": m}, [(_lora("a", "transformer", 1), 1.0)])
+    with pytest.raises(BusyError, match="Module stayed in use"):
+        f.enter({"transformer": m}, [])
+    f.leave(held)
+    f.leave(f.enter({"transformer": m}, []))  # free again
