@@ -136,11 +136,6 @@ class Fusions:
                 if st is not None and st.module is m:
                     st.applied, st.base = (), {}
 
-    def applied(self, module: torch.nn.Module) -> Wanted:
-        with self._cond:
-            st = self._states.get(id(module))
-            return st.applied if st is not None and st.module is module else ()
-
     def clear(self) -> None:
         with self._cond:
             self._states.clear()

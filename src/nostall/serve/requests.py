@@ -281,6 +281,16 @@ def _size(size: Any, rules: ImageRules) -> tuple[int, int]:
     return w, h
 
 
+def _unknown(field: str, kind: str, name: Any, available: list[str]) -> ArgumentError:
+    """The 422 for an adapter name the server lacks: the names that look like it."""
+    close = difflib.get_close_matches(str(name), available)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return ArgumentError(
+        f"{field}: no {kind} {name!r} on this server{hint}", field=field,
+        allowed={"names": close or available[:50]},
+    )  # fmt: skip
+
+
 _LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 
 
@@ -314,12 +324,7 @@ def check_loras(
             )  # fmt: skip
         name, scale = item["name"], item.get("scale", 1.0)
         if not isinstance(name, str) or not _LORA_NAME.fullmatch(name) or name not in available:
-            close = difflib.get_close_matches(str(name), available)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ArgumentError(
-                f"loras: no LoRA {name!r} on this server{hint}", field="loras",
-                allowed={"names": close or available[:50]},
-            )  # fmt: skip
+            raise _unknown("loras", "LoRA", name, available)
         pairs.append((name, scale))
     return tuple(lora_weights(pairs))
 
@@ -348,12 +353,7 @@ def check_controlnet(
         )  # fmt: skip
     name = raw.get("name")
     if not isinstance(name, str) or name not in available:
-        close = difflib.get_close_matches(str(name), available)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise ArgumentError(
-            f"controlnet: no ControlNet {name!r} on this server{hint}", field="controlnet",
-            allowed={"names": close or available[:50]},
-        )  # fmt: skip
+        raise _unknown("controlnet", "ControlNet", name, available)
     scale = raw.get("scale", 1.0)
     if (
         isinstance(scale, bool)
