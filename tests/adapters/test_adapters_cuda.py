@@ -61,6 +61,28 @@ def test_lora_on_cuda_equals_diffusers_and_the_base_comes_back(store):
     assert np.abs(got - ref).max() < 1e-3 and np.abs(got - base).max() > 1e-3
 
 
+def test_base_copies_without_device_room_wait_in_host_memory_with_the_same_images(store):
+    from nostall import ModelCache
+
+    images, where = [], []
+    for reserve in (0, 1 << 50):  # room for the copies on the GPU; none (a huge reserve)
+        with ModelCache(store, device="cuda", gpu_budget=1 << 30, activation_reserve=reserve,
+                        lora_budget=64 << 20) as cache:  # fmt: skip
+            with cache.use("flux") as pipe:
+                before = {n: p.detach().clone() for n, p in pipe.transformer.named_parameters()}
+            with cache.use("flux", loras={"a": 0.7, "b": 0.3}) as pipe:
+                images.append(_image(pipe))
+                stats = cache.stats()
+                where.append(set(stats.lora_base_bytes))
+                assert 0 < stats.lora_bytes <= stats.lora_budget  # kept in the LoRA pool
+            with cache.use("flux") as pipe:
+                after = dict(pipe.transformer.named_parameters())
+                assert all(torch.equal(before[n], after[n]) for n in before)
+            assert cache.stats().lora_base_bytes == {}
+    assert where == [{"cuda:0"}, {"cpu"}]
+    assert np.abs(images[0] - images[1]).max() < 1e-3  # (one addmm or a copy and addmm_)
+
+
 def test_compiled_transformer_survives_lora_switches_on_cuda(store):
     from torch._dynamo.utils import counters
 

@@ -78,3 +78,26 @@ def test_a_module_held_too_long_is_a_busy_error_naming_it():
         f.enter({"transformer": m}, [])
     f.leave(held)
     f.leave(f.enter({"transformer": m}, []))  # free again
+
+
+def test_without_room_on_the_device_the_base_copies_wait_in_host_memory():
+    m = _module(0)
+    base = m.lin.weight.detach().clone()
+    asked: list[int] = []
+
+    def room(device: torch.device, nbytes: int) -> bool:
+        asked.append(nbytes)
+        return False
+
+    a = _lora("a", "transformer", 1)
+    near, far = Fusions(), Fusions(room=room)
+    twin = _module(0)
+    far.leave(far.enter({"transformer": m}, [(a, 0.8)]))
+    near.leave(near.enter({"transformer": twin}, [(a, 0.8)]))
+    assert asked == [m.lin.weight.nbytes]  # what the new copies need, asked once
+    assert torch.equal(m.lin.weight, twin.lin.weight)
+    (copy,) = far._states[id(m)].base.values()
+    assert copy.data_ptr() != m.lin.weight.data_ptr()  # a copy, even on a CPU
+    assert far.base_bytes() == {"cpu": m.lin.weight.nbytes}
+    far.leave(far.enter({"transformer": m}, []))
+    assert torch.equal(m.lin.weight, base) and far.base_bytes() == {}

@@ -232,3 +232,23 @@ def test_targets_read_the_figures_at_the_switch_rank():
                                            "met": True}  # fmt: skip
     empty = evaluate_targets({})  # nothing ran: every figure unmeasured
     assert all(x["value"] is None and x["met"] is None for x in empty.values())
+
+
+def test_append_keeps_the_other_parts_and_names_them(run, tmp_path):
+    tmp, out, _ = run
+    first = json.loads(out.read_text())
+    path = tmp_path / "adapters.json"
+    path.write_text(json.dumps({**first, "commit": "abc1234"}))
+    result = CliRunner().invoke(app, _args(tmp / "work", path, "--part", "controlnet", "--append"))
+    assert result.exit_code == 0, result.output
+    report = json.loads(path.read_text())
+    assert report["appended"]["parts"] == ["peer", "nostall"]
+    assert report["appended"]["commit"] == "abc1234" and report["config"]["parts"] == list(PARTS)
+    assert report["peer"] == first["peer"] and report["nostall"] == first["nostall"]
+    assert report["controlnet"]["part_s"] != first["controlnet"]["part_s"]  # this run's
+    assert report["targets"] == evaluate_targets(report)
+    assert report["targets"]["lora_base_restored_bit_exact"]["met"] is True
+    args = _args(tmp / "work", path, "--part", "controlnet", "--append")
+    args[args.index("--repeat") + 1] = "2"  # not the run it would add to
+    other = CliRunner().invoke(app, args)
+    assert other.exit_code != 0 and "--repeat" in other.output

@@ -334,6 +334,26 @@ def test_a_worker_makes_its_own_budget_from_reserve_and_external(store):
         Worker(store, device="cpu", budget=_budget(total=GB, reserve=0), reserve=1)
 
 
+def test_lora_room_is_claimed_beside_the_cache_and_given_back(store):
+    from nostall.serve.worker import Worker
+
+    budget = _budget(total=100 * GB, reserve=10 * GB)
+    worker = Worker(store, device="cpu", budget=budget, host_budget=64 << 20, prepare=False,
+                    lora_room=3 * GB)  # fmt: skip
+    try:
+        assert budget.claims()["LoRA base copies"] == 3 * GB
+        assert worker.cache.activation_reserve == 10 * GB  # base copies leave it free
+    finally:
+        worker.shutdown()
+    assert budget.claims() == {}
+    with pytest.raises(ArgumentError, match="lora_room=-1"):
+        Worker(store, device="cpu", budget=budget, prepare=False, lora_room=-1)
+    with pytest.raises(BudgetExceeded):  # no room left for the cache: nothing kept claimed
+        Worker(store, device="cpu", budget=budget, prepare=False, gpu_budget=GB,
+               lora_room=90 * GB - 1000)  # fmt: skip
+    assert budget.claims() == {}
+
+
 # ---- start-up validation -----------------------------------------------------------------
 
 

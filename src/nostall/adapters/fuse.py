@@ -2,10 +2,13 @@
 
 A fused LoRA costs nothing per step (the forward is the base's, with other weights) and
 keeps a compiled graph valid: the weights change in place, their storage does not. For
-each weight it changes, :class:`Fusions` keeps a copy of the base bytes on the weight's
-own device; switching to other LoRAs restores those bytes and fuses the new ones
-(``W = W0 + Σ weight · scale · B @ A``, summed in float32 and rounded once), so the base
-comes back exactly, whatever was fused before.
+each weight it changes, :class:`Fusions` keeps a copy of the base bytes, on the weight's
+own device when it has room for them (``room``: the model cache keeps the activation
+reserve free), else in host memory; switching to other LoRAs restores those bytes and
+fuses the new ones (``W = W0 + Σ weight · scale · B @ A``), so the base comes back
+exactly, whatever was fused before. A change ends with its stream synchronised: the
+weights are whole for a caller on any stream, and the LoRA's host factors are free to
+reuse.
 
 Callers that run a module take its state with :meth:`Fusions.enter` and give it back
 with :meth:`Fusions.leave`: a module whose users want other LoRAs waits until they have
@@ -16,7 +19,7 @@ tiers is base again (:meth:`Fusions.reloaded`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,8 +45,12 @@ class _State:
 class Fusions:
     """The fused state of every module LoRAs were fused into. Thread-safe."""
 
-    def __init__(self, wait_s: float = 600.0):
+    def __init__(
+        self, wait_s: float = 600.0, room: Callable[[torch.device, int], bool] | None = None
+    ):
         self.wait_s = wait_s
+        # whether ``n`` more bytes of base copies may stay on a device (default: yes)
+        self.room = room or (lambda device, n: True)
         self._states: dict[int, _State] = {}
         self._cond = threading.Condition()
 
@@ -109,7 +116,7 @@ class Fusions:
 
     def _change(self, st: _State, want: Wanted, layers: list[tuple[LoraLayer, float]]) -> None:
         try:
-            _fuse(st, layers)
+            _fuse(st, layers, self.room)
             done = want
         except BaseException:
             done = _CHANGING if st.base else ()  # half fused: never matches, refused next
@@ -140,9 +147,22 @@ class Fusions:
         with self._cond:
             self._states.clear()
 
+    def base_bytes(self) -> dict[str, int]:
+        """Bytes of base copies kept now, by where they are (``"cuda:0"``, ``"cpu"``)."""
+        out: dict[str, int] = {}
+        with self._cond:
+            for st in self._states.values():
+                for copy in st.base.values():
+                    out[str(copy.device)] = out.get(str(copy.device), 0) + copy.nbytes
+        return out
+
 
 @torch.no_grad()
-def _fuse(st: _State, layers: list[tuple[LoraLayer, float]]) -> None:
+def _fuse(
+    st: _State,
+    layers: list[tuple[LoraLayer, float]],
+    room: Callable[[torch.device, int], bool] = lambda device, n: True,
+) -> None:
     """Make ``st.module``'s weights its base plus ``layers`` (the caller is the only
     user): a weight both the old and the new LoRAs touch is written once, from its base
     copy (``W = W0 + Σ weight · scale · B @ A``: one ``addmm`` from the copy into the
@@ -157,10 +177,17 @@ def _fuse(st: _State, layers: list[tuple[LoraLayer, float]]) -> None:
         wanted.setdefault(sub.weight, []).append((x, w))
         if x.bias is not None and getattr(sub, "bias", None) is not None:
             biases.setdefault(sub.bias, []).append((x, w))
+    touched = {p.device for p in (*wanted, *biases, *st.base)}
+    new = [p for p in (*wanted, *biases) if p not in st.base]
+    devices = {p.device for p in new}
+    host = {d for d in devices if not room(d, sum(p.nbytes for p in new if p.device == d))}
     for param, parts in (*wanted.items(), *biases.items()):
         base = st.base.get(param)
         if base is None:
-            base = st.base[param] = param.detach().clone()
+            # the base bytes, kept where there is room: beside the weight, or in host memory
+            far = param.device in host
+            base = param.detach().to("cpu", copy=True) if far else param.detach().clone()
+            st.base[param] = base
         if param in biases and parts is biases[param]:
             param.copy_(base)
             for x, w in parts:
@@ -169,6 +196,9 @@ def _fuse(st: _State, layers: list[tuple[LoraLayer, float]]) -> None:
             _write(param, base, parts)
     for param in [p for p in st.base if p not in wanted and p not in biases]:
         param.copy_(st.base.pop(param))
+    for dev in touched:
+        if dev.type == "cuda":  # whole for callers on other streams; factors free again
+            torch.cuda.current_stream(dev).synchronize()
 
 
 def _write(param: torch.Tensor, base: torch.Tensor, parts: list[tuple[LoraLayer, float]]) -> None:
@@ -180,11 +210,16 @@ def _write(param: torch.Tensor, base: torch.Tensor, parts: list[tuple[LoraLayer,
         def to(t: torch.Tensor) -> torch.Tensor:  # (pinned factors: an async copy)
             return t.to(dev, non_blocking=True).to(dt)
 
-        torch.addmm(base, to(x.up), to(x.down), alpha=w * x.scale, out=param.data)
+        if base.device == dev:
+            torch.addmm(base, to(x.up), to(x.down), alpha=w * x.scale, out=param.data)
+        else:  # a base copy in host memory: copied back in, then added to
+            param.data.copy_(base)
+            param.data.addmm_(to(x.up), to(x.down), alpha=w * x.scale)
         for x, w in parts[1:]:
             param.data.addmm_(to(x.up), to(x.down), alpha=w * x.scale)
         return
-    acc = base.to(torch.float32, copy=True)  # convolutions: summed in float32, rounded once
+    # convolutions: summed in float32, rounded once
+    acc = base.to(param.device, torch.float32, copy=True)
     for x, w in parts:
         acc += w * x.delta(device=acc.device)
     param.copy_(acc.to(param.dtype))

@@ -8,6 +8,7 @@ time) and pipeline class: a file replaced on disk is read again, as checkpoints 
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
 import os
@@ -19,7 +20,7 @@ from typing import Any
 from nostall.adapters.lora import Lora, read_lora
 from nostall.errors import ArgumentError, UnknownModel
 
-__all__ = ["MAX_WEIGHT", "Shelf", "lora_weights"]
+__all__ = ["MAX_WEIGHT", "Shelf", "lora_bytes", "lora_weights"]
 
 MAX_WEIGHT = 10.0  # a LoRA weight beyond this is a mistake, not a style
 
@@ -73,32 +74,111 @@ def _unet_config(folder: str | None) -> dict[str, Any] | None:
         return FrozenDict(json.load(f))
 
 
-def _pinned(lora: Lora) -> Lora:
-    import dataclasses
+def lora_bytes(folder: str | os.PathLike | None) -> int:
+    """The bytes of the ``.safetensors`` files directly under ``folder`` (0 if none)."""
+    if folder is None or not os.path.isdir(folder):
+        return 0
+    total = 0
+    for entry in os.scandir(folder):
+        if entry.name.endswith(".safetensors") and entry.is_file():
+            total += entry.stat().st_size
+    return total
 
-    def pin(t):
-        return None if t is None else t.pin_memory()
+
+_ALIGN = 512  # each factor starts on a 512-byte boundary of its block (any dtype's view)
+
+
+def _factors(lora: Lora) -> list[Any]:
+    return [t for x in lora.layers for t in (x.down, x.up, x.bias) if t is not None]
+
+
+def _packed_bytes(lora: Lora) -> int:
+    """The pool block ``lora``'s factors take (:func:`_packed`)."""
+    from nostall.memory.pool import size_class
+
+    return size_class(max(1, sum(-(-t.nbytes // _ALIGN) * _ALIGN for t in _factors(lora))))
+
+
+def _packed(lora: Lora, pool: Any) -> Lora | None:
+    """``lora`` with every factor copied into one block of ``pool``, or ``None`` when the
+    pool has no room. The block stays held while the returned object lives (a finalizer
+    releases it): whoever holds the LoRA may read its factors, however the shelf evicts."""
+    import dataclasses
+    import weakref
+
+    import torch
+
+    from nostall.errors import PoolExhausted
+
+    tensors = _factors(lora)
+    offsets, n = [], 0
+    for t in tensors:
+        offsets.append(n)
+        n += -(-t.nbytes // _ALIGN) * _ALIGN
+    try:
+        block = pool.allocate(max(n, 1))
+    except PoolExhausted:
+        return None
+    flat = block.tensor
+    views = {}
+    for t, off in zip(tensors, offsets, strict=True):
+        v = flat[off : off + t.nbytes].view(t.dtype).view(t.shape)
+        v.copy_(t)
+        views[id(t)] = v
+
+    def put(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else views[id(t)]
 
     layers = tuple(
-        dataclasses.replace(x, down=pin(x.down), up=pin(x.up), bias=pin(x.bias))
+        dataclasses.replace(x, down=put(x.down), up=put(x.up), bias=put(x.bias))
         for x in lora.layers
     )
-    return dataclasses.replace(lora, layers=layers)
+    out = dataclasses.replace(lora, layers=layers)
+    weakref.finalize(out, block.release)
+    return out
 
 
 class Shelf:
     """LoRAs by name under ``folder`` (``<store>/loras``; ``None``: paths only), read
-    once per file identity and pipeline class; those read last are kept, up to
-    ``budget`` bytes (a LoRA larger than the whole budget is read each time)."""
+    once per file identity and pipeline class, and kept, least recently used dropped
+    first, in a pool of ``budget`` bytes of host memory (page-locked for a CUDA
+    ``device``: a fuse copies the factors to the GPU at link speed). A LoRA that finds
+    no room there is read each time it is asked for. :meth:`close` gives the pool back.
+    """
 
     def __init__(
-        self, folder: str | os.PathLike | None, budget: int = 4 << 30, *, pin: bool = False
+        self,
+        folder: str | os.PathLike | None,
+        budget: int = 0,
+        *,
+        device: Any = "cpu",
     ):
+        import torch
+
         self.folder = os.fspath(folder) if folder is not None else None
         self.budget = budget
-        self.pin = pin  # page-locked factors: a fuse copies them to the GPU at link speed
+        self.device = torch.device(device)
+        self._pool: Any = None  # made at the first read: no pinning for a cache without LoRAs
         self._read: OrderedDict[tuple, Lora] = OrderedDict()
         self._lock = threading.Lock()
+
+    def nbytes(self) -> int:
+        """Bytes of the LoRAs kept now."""
+        with self._lock:
+            return sum(x.nbytes for x in self._read.values())
+
+    def close(self) -> None:
+        """Drop the LoRAs kept and give back their pool; a LoRA still held elsewhere
+        keeps its block (and the pool) until it is dropped."""
+        from nostall.errors import BusyError
+
+        with self._lock:
+            self._read.clear()
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            # a LoRA handed out may still view it: then it goes with the last one
+            with contextlib.suppress(BusyError):
+                pool.close(timeout=0)
 
     def names(self) -> list[str]:
         """The LoRA names under the folder."""
@@ -143,12 +223,23 @@ class Shelf:
                 self._read.move_to_end(key)
                 return got
         lora = read_lora(path, pipeline_class, name=name, unet_config=_unet_config(pipeline_folder))
-        if self.pin:
-            lora = _pinned(lora)
+        if not 0 < _packed_bytes(lora) <= self.budget:
+            return lora  # read each time: it could never be kept
         with self._lock:
             for k in [k for k in self._read if k[0] == path and k[5] == pipeline_class]:
                 del self._read[k]  # an older version of the same file
-            self._read[key] = lora
-            while sum(x.nbytes for x in self._read.values()) > self.budget:
+            if self._pool is None:
+                from nostall.memory.pool import PinnedPool
+
+                cuda = self.device.type == "cuda"
+                self._pool = PinnedPool(
+                    self.budget, evict=False, pin=cuda, device=self.device if cuda else None
+                )
+            # The least recently used go until it fits; a LoRA dropped here that a fuse
+            # still reads keeps its block until that caller lets go of it.
+            while (kept := _packed(lora, self._pool)) is None and self._read:
                 self._read.popitem(last=False)
-        return lora
+            if kept is None:
+                return lora
+            self._read[key] = kept
+        return kept

@@ -312,14 +312,17 @@ class _Bench:
 
     def cache(self):
         import nostall
+        from nostall.adapters import lora_bytes
         from nostall.cache import Store
 
         nbytes = Store(self.store, cache_dir=False).entry("flux").nbytes
+        loras = int(lora_bytes(self.loras) * 1.15)  # every LoRA kept pinned (size classes)
         return nostall.ModelCache(
             self.store,
             device=self.dev,
             gpu_budget=int(nbytes * 1.15) + (1 << 30),
-            host_budget=int(nbytes * 1.1) + (1 << 30),
+            host_budget=int(nbytes * 1.15) + (1 << 30) + loras,
+            lora_budget=loras,
             cache_dir=os.path.join(self.store, ".digests"),
         )
 
@@ -496,10 +499,13 @@ def run_adapters_bench(
     work: str | None = None,
     log: Callable[[str], None] = print,
     save: Callable[[dict], None] | None = None,
+    previous: dict | None = None,
 ) -> dict:
     """Write (or reuse) the store and the LoRAs under ``work`` (default: full size
     ``/tmp/nostall-bench/adapters``, kept; tiny a new temporary folder), run the parts,
-    return the report (handed to ``save`` after each part)."""
+    return the report (handed to ``save`` after each part). ``previous``: an earlier
+    report of the same size, device and repeat whose other parts this one keeps (a long
+    run as several commands; ``appended`` names the parts kept and their commit)."""
     import logging
 
     from nostall.errors import ArgumentError
@@ -513,6 +519,14 @@ def run_adapters_bench(
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         raise ArgumentError(f"parts {unknown}; choose from {', '.join(PARTS)}")
+    if previous is not None:
+        earlier = previous.get("config", {})
+        ran = {"size": size, "device": str(resolve_device(device)), "repeat": repeat}
+        if {k: earlier.get(k) for k in ran} != ran:
+            raise ArgumentError(
+                f"the earlier report ran { ({k: earlier.get(k) for k in ran}) } and this run "
+                f"{ran}; run the same --size, --device and --repeat to add to it"
+            )
     import diffusers  # noqa: F401  (configures its loggers: the level set below stays)
 
     # per-load notices ("no LoRA keys for CLIPTextModel"), not findings
@@ -550,6 +564,14 @@ def run_adapters_bench(
         "store_write_s": time.perf_counter() - t,
         "loras": {n: {k: v for k, v in x.items() if k != "path"} for n, x in loras.items()},
     }
+    if previous is not None:
+        kept = [p for p in PARTS if p in previous and p not in parts]
+        for p in kept:
+            report[p] = previous[p]
+        if kept:
+            report["appended"] = {"parts": kept, "commit": previous.get("commit"),
+                                  "date": previous.get("date")}  # fmt: skip
+            report["config"]["parts"] = [p for p in PARTS if p in kept or p in parts]
     bench = _Bench(store, size, dev, repeat, log)
     for part in parts:
         log(f"== {part}")

@@ -245,6 +245,7 @@ class ControlNetPart:
             device=self.dev,
             gpu_budget=int(nbytes * 1.15) + (1 << 30),
             host_budget=int(nbytes * 1.1) + (1 << 30),
+            lora_budget=0,  # (no LoRA here: the host budget is the components')
             cache_dir=os.path.join(self.store, ".digests"),
         )
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from nostall.adapters import Fusions, Lora, Shelf, check_fits, lora_weights
+from nostall.adapters import Fusions, Lora, Shelf, check_fits, lora_bytes, lora_weights
 from nostall.adapters.lora import ROLES as LORA_ROLES
 from nostall.cache import placement
 from nostall.cache.device import DeviceTier, Slot
@@ -93,6 +93,14 @@ class ModelCache:
             next switch or a prefetch finds room), or as far as idle components allow.
         wait_s: how long a switch waits for room held by pipelines in use elsewhere
             before :class:`~nostall.BudgetExceeded`.
+        activation_reserve: device bytes the base copies of fused LoRAs leave free (the
+            weights a LoRA changes, kept to restore the base bit for bit: on the device
+            while this much stays free beside them, else in host memory, restored over
+            the link; default: a tenth of the GPU, at least 2 GiB).
+        lora_budget: bytes of pinned host memory for LoRAs read (their factors, copied
+            to the GPU at link speed when fused), taken from ``host_budget``; the least
+            recently used go first (default: what ``<store>/loras`` holds, at most a
+            quarter of the host budget).
         cache_dir: where the digest index lives (see :class:`~nostall.cache.Store`;
             ``False`` keeps digests in memory). Components are identified by a digest of
             every byte, computed as they are first read and remembered there.
@@ -116,15 +124,24 @@ class ModelCache:
         wait_s: float = 300.0,
         loader: Loader | None = None,
         cache_dir: str | os.PathLike | bool | None = None,
+        activation_reserve: int | None = None,
+        lora_budget: int | None = None,
     ):
         self.device = resolve_device(device)
         if not 0.0 < watermark <= 1.0:
             raise ArgumentError(f"watermark={watermark!r} must be in (0, 1]")
-        for name, value in (("gpu_budget", gpu_budget), ("host_budget", host_budget)):
+        for name, value, least in (
+            ("gpu_budget", gpu_budget, 1),
+            ("host_budget", host_budget, 1),
+            ("activation_reserve", activation_reserve, 0),
+            ("lora_budget", lora_budget, 0),
+        ):
             if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value <= 0
+                isinstance(value, bool) or not isinstance(value, int) or value < least
             ):
-                raise ArgumentError(f"{name}={value!r} must be a positive number of bytes")
+                raise ArgumentError(
+                    f"{name}={value!r} must be a{' positive' if least else ''} number of bytes"
+                )
         self.store = Store.shared(models, variant=variant, cache_dir=cache_dir)
         self.dtype = dtype
         self.watermark = watermark
@@ -137,7 +154,18 @@ class ModelCache:
             else:  # ordinary memory, committed at the first switch: what the store needs
                 gpu_budget = cpu_tier_bytes(self.store, limit // 4)
         self._tier = DeviceTier(self.device, gpu_budget)
-        self._host = HostTier(host_budget or store_bytes(self.store, limit // 2), self.device)
+        loras = os.path.join(self.store.root, "loras") if self.store.root else None
+        on_disk = lora_bytes(loras)
+        host = host_budget or (store_bytes(self.store, limit // 2) + min(on_disk, limit // 8))
+        if lora_budget is None:
+            lora_budget = min(on_disk, host // 4)
+        if lora_budget >= host:
+            raise ArgumentError(
+                f"lora_budget={lora_budget} leaves nothing of host_budget={host} for the "
+                "pipelines' components; give a larger host budget or a smaller LoRA budget"
+            )
+        self._host = HostTier(host - lora_budget, self.device)
+        self.activation_reserve = activation_reserve
         self._own_loader = loader is None
         self._loader = loader or Loader()
         self._pipelines = Pipelines()
@@ -147,11 +175,8 @@ class ModelCache:
         self._modules = Instances(dtype, mirror_file=self.device.type == "cpu")
         self._holds = Holds()
         # LoRAs: read from <store>/loras (or paths), fused into resident modules per use()
-        self._shelf = Shelf(
-            os.path.join(self.store.root, "loras") if self.store.root else None,
-            pin=self.device.type == "cuda",
-        )
-        self._fusions = Fusions(wait_s)
+        self._shelf = Shelf(loras, lora_budget, device=self.device)
+        self._fusions = Fusions(wait_s, room=self._room)
         root = self.store.root
         self._controlnets = os.path.join(root, "controlnets") if root else None
         self._protected: set[str] = set()  # prefetched, not used yet
@@ -176,7 +201,8 @@ class ModelCache:
         """LoRA ``name`` (a name under ``<store>/loras`` or a path) as read for
         ``pipeline``'s class: read now if new or changed on disk, else as kept.
         :class:`~nostall.UnknownModel`, :class:`~nostall.CheckpointError` for a file that
-        is not a readable LoRA."""
+        is not a readable LoRA. Its factors may view the cache's LoRA memory: that block
+        stays held while the returned object lives."""
         entry = self.store.entry(pipeline)
         return self._shelf.get(name, entry.class_name, entry.folder)
 
@@ -293,6 +319,18 @@ class ModelCache:
             check_fits(lora, modules)
         return self._fusions.enter(modules, loras)
 
+    def _room(self, device: torch.device, nbytes: int) -> bool:
+        """Whether ``nbytes`` of LoRA base copies may stay on ``device``: the activation
+        reserve stays free beside them."""
+        if device.type != "cuda":
+            return True
+        free, total = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        keep = self.activation_reserve
+        if keep is None:
+            keep = max(2 << 30, total // 10)
+        return free - nbytes >= keep
+
     def prefetch(self, name: str, *, without: Iterable[str] = ()) -> Future[SwitchReport]:
         """Move ``name``'s missing components to the device now, on the copy stream, while
         the current pipeline computes; returns a future of the prefetch's report.
@@ -365,6 +403,9 @@ class ModelCache:
                 host_budget=self._host.budget,
                 host_bytes=host_bytes,
                 components=comps,
+                lora_budget=self._shelf.budget,
+                lora_bytes=self._shelf.nbytes(),
+                lora_base_bytes=self._fusions.base_bytes(),
             )
 
     def resident(self, name: str, *, without: Iterable[str] = ()) -> bool:
@@ -407,6 +448,7 @@ class ModelCache:
             self._pipelines.clear()
             self._modules.clear()
             self._fusions.clear()
+        self._shelf.close()
         self._host.close()
         if self._own_loader:
             self._loader.close()

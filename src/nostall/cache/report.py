@@ -162,6 +162,10 @@ class CacheStats:
         components: ``digest → {"tier", "roles", "pipelines", "bytes", "in_use"}`` for
             every component of every pipeline switched to so far; ``tier`` is the
             fastest that holds it: ``"gpu"``, ``"host"`` or ``"disk"``.
+        lora_budget, lora_bytes: the host memory kept for LoRAs read, and what they
+            take now (host_budget is the components' share).
+        lora_base_bytes: the base copies of weights fused LoRAs changed, by where they
+            are kept (``"cuda:0"``: beside the weights; ``"cpu"``: host memory).
     """
 
     device: str
@@ -170,3 +174,6 @@ class CacheStats:
     host_budget: int
     host_bytes: int
     components: dict[str, dict[str, Any]] = field(default_factory=dict)
+    lora_budget: int = 0
+    lora_bytes: int = 0
+    lora_base_bytes: dict[str, int] = field(default_factory=dict)

@@ -277,8 +277,6 @@ def bench_serve(
     """The worker, the Ray Serve fleet and the embedding service under concurrent load;
     at full size, the mixed stream against a plain diffusers worker, with the embedding
     service in-process and as a separate process, a soak and the prefetch slowdown."""
-    import json
-    import os
 
     from nostall.bench import serve as bench
     from nostall.bench.record import write_report
@@ -287,14 +285,7 @@ def bench_serve(
     check_choices([size], tuple(bench.SIZES), "--size")
     parts = check_choices(part or bench.SIZES[size]["parts"], bench.PARTS, "--part")
     check_choices([peer_mode], ("auto", *MODES), "--peer-mode")
-    previous = None
-    if append and os.path.isfile(out):
-        try:
-            with open(out) as f:
-                previous = json.load(f)
-        except (OSError, ValueError) as e:
-            msg = f"cannot read {out!r} to add to it: {e}"
-            raise typer.BadParameter(msg, param_hint="--out") from None
+    previous = _previous(out) if append else None
     check_output(out, hint="--out", overwrite=overwrite or append)
     with usage_errors():
         report = bench.run_serve_bench(
@@ -413,6 +404,21 @@ def bench_switch(
     console.print(f"report written to {out}")
 
 
+def _previous(out: str) -> dict | None:
+    """The report at ``out`` for ``--append`` (``None`` if there is none yet)."""
+    import json
+    import os
+
+    if not os.path.isfile(out):
+        return None
+    try:
+        with open(out) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        msg = f"cannot read {out!r} to add to it: {e}"
+        raise typer.BadParameter(msg, param_hint="--out") from None
+
+
 @bench_app.command("adapters")
 def bench_adapters(
     size: str = typer.Option(
@@ -436,6 +442,12 @@ def bench_adapters(
         f"{BENCH_OUT}/adapters.json", help="JSON report path (recorded results: docs/bench/)."
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing report."),
+    append: bool = typer.Option(
+        False,
+        "--append",
+        help="Keep the other parts of the report at --out (same size, device and repeat), "
+        "so the benchmark can run as several commands.",
+    ),
 ) -> None:
     """LoRAs on a cached FLUX: nostall's fused switches against diffusers + PEFT (loads,
     hotswap, fuse), the forward with a LoRA against the base, recompiles under
@@ -445,7 +457,8 @@ def bench_adapters(
 
     check_choices([size], tuple(bench.SIZES), "--size")
     parts = check_choices(part or bench.PARTS, bench.PARTS, "--part")
-    check_output(out, hint="--out", overwrite=overwrite)
+    previous = _previous(out) if append else None
+    check_output(out, hint="--out", overwrite=overwrite or append)
     with usage_errors():
         report = bench.run_adapters_bench(
             size=size,
@@ -455,6 +468,7 @@ def bench_adapters(
             work=work,
             log=_log,
             save=lambda r: write_report(r, out, overwrite=True),
+            previous=previous,
         )
     write_report(report, out, overwrite=True)
     _show(bench.tables(report))

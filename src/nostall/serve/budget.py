@@ -367,6 +367,27 @@ class DeviceBudget:
             )
         return self.claim(who, left)
 
+    def claim_cache(self, store: Store, gpu_budget: int | None, lora_room: int = 0) -> int:
+        """The model cache's device tier: ``gpu_budget`` bytes, or (default) all that is
+        left after ``lora_room`` bytes claimed for LoRA base copies (the weights a fused
+        LoRA changes, kept to restore the base; without room they stay in host memory).
+        On a CPU the default is what the store's components need."""
+        from nostall.cache.host import cpu_tier_bytes
+
+        if isinstance(lora_room, bool) or not isinstance(lora_room, int) or lora_room < 0:
+            raise ArgumentError(f"lora_room={lora_room!r} must be a number of bytes, 0 or more")
+        if lora_room:
+            self.claim("LoRA base copies", lora_room)
+        try:
+            if gpu_budget is not None:
+                return self.claim("model cache", gpu_budget)
+            if self.device.type == "cpu":  # ordinary memory, committed at the first switch
+                return self.claim("model cache", cpu_tier_bytes(store, self.left))
+            return self.claim_rest("model cache")
+        except BaseException:
+            self.release("LoRA base copies")
+            raise
+
     def release(self, who: str) -> None:
         """Give back what ``who`` claimed (nothing if it claimed nothing)."""
         with self._lock:

@@ -38,7 +38,6 @@ from typing import Any
 import torch
 
 from nostall.cache import ModelCache, Store
-from nostall.cache.host import cpu_tier_bytes
 from nostall.cache.report import human_bytes
 from nostall.cache.store import CONTROLNET_PIPELINES
 from nostall.errors import (  # the job errors live in the one tree; imported here as before
@@ -131,7 +130,9 @@ class Worker:
     the same process, which claims its encoders first); without one the worker makes
     its own, sized by ``reserve`` (activation bytes; default: measured peaks) and
     ``external`` (bytes another process declared on this device). The model cache
-    takes ``gpu_budget`` bytes of it, or all that is left. A job that runs out of device
+    takes ``gpu_budget`` bytes of it, or all that is left after ``lora_room`` bytes for
+    LoRA base copies (without it, a fused LoRA's base bytes wait in host memory and a
+    LoRA switch copies them back over the link). A job that runs out of device
     memory is run once more after the worker frees what it can; a second time it fails
     with :class:`~nostall.errors.DeviceBusy` (HTTP 503), and the worker carries on.
 
@@ -158,6 +159,7 @@ class Worker:
         reserve: int | None = None,
         external: int = 0,
         schedule: Policy | None = None,
+        lora_room: int = 0,
     ):
         from nostall.serve.metrics import WorkerMetrics
 
@@ -184,20 +186,15 @@ class Worker:
                 "give it the budget of its own device"
             )
         self.budget = budget
-        if gpu_budget is None and budget.device.type == "cpu":
-            # A CPU "device" tier is ordinary memory committed at the first switch: no
-            # more than the store's components need (see ModelCache's CPU default).
-            gpu_budget = budget.claim("model cache", cpu_tier_bytes(store, budget.left))
-        elif gpu_budget is None:
-            gpu_budget = budget.claim_rest("model cache")
-        else:
-            budget.claim("model cache", gpu_budget)
+        gpu_budget = budget.claim_cache(store, gpu_budget, lora_room)
         try:
             self.cache = ModelCache(
-                store, device=device, gpu_budget=gpu_budget, host_budget=host_budget, dtype=dtype
-            )
+                store, device=device, gpu_budget=gpu_budget, host_budget=host_budget,
+                dtype=dtype, activation_reserve=budget.reserve,
+            )  # fmt: skip
         except BaseException:
             budget.release("model cache")
+            budget.release("LoRA base copies")
             raise
         self.unavailable: dict[str, str] = {}  # pipelines left out at start, and why
         self._quiet = LibraryWarningsOnce()
@@ -270,6 +267,7 @@ class Worker:
         self._settler.close()
         self.cache.close()
         self.budget.release("model cache")
+        self.budget.release("LoRA base copies")
         self._quiet.remove()
         if self._embed_pool is not None:
             self._embed_pool.shutdown(wait=True)
