@@ -95,3 +95,20 @@ def test_close_while_a_lora_is_held_leaves_its_memory_readable(loras):
     assert all(torch.equal(t, w) for t, w in zip(_factors(a), want, strict=True))
     with pytest.raises(UnknownModel, match="did you mean a"):
         shelf.get("aa", "FluxPipeline")
+
+
+def test_a_kept_loras_factors_are_found_again_in_a_copy_of_its_block(loras):
+    from nostall.adapters.upload import device_views
+
+    shelf = Shelf(loras, 64 << 20)
+    a = shelf.get("a", "FluxPipeline")
+    assert a.flat is not None and a.flat.dtype == torch.uint8
+    assert Shelf(loras).get("a", "FluxPipeline").flat is None  # read each time: no block
+    copy = a.flat.clone()  # what the GPU receives, in one copy
+    views = device_views(a, copy, [(copy.numel(), "last chunk")])
+    assert len(views) == len(_factors(a))
+    for t in _factors(a):
+        view, event = views[id(t)]
+        assert torch.equal(view, t) and view.data_ptr() != t.data_ptr() and event == "last chunk"
+        assert copy.data_ptr() <= view.data_ptr() < copy.data_ptr() + copy.numel()
+    shelf.close()

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from nostall.adapters.lora import Lora, LoraLayer, submodule
+from nostall.adapters.upload import Uploads
 
 __all__ = ["Fusions", "Wanted"]
 
@@ -51,6 +52,7 @@ class Fusions:
         self.wait_s = wait_s
         # whether ``n`` more bytes of base copies may stay on a device (default: yes)
         self.room = room or (lambda device, n: True)
+        self._side: dict[torch.device, Any] = {}  # a copy stream per GPU (Uploads)
         self._states: dict[int, _State] = {}
         self._cond = threading.Condition()
 
@@ -77,14 +79,23 @@ class Fusions:
         items = [(m, tuple(wanted.get(role, ())), role) for role, m in sorted(modules.items())]
         taken = self._take_all(items)
         entered = [st.module for st, _, _ in taken]
+        uploads = Uploads([lora for lora, _ in loras], self._stream)
         try:
             for (st, want, change), (_, _, role) in zip(taken, items, strict=True):
                 if change:
-                    self._change(st, want, by_role.get(role, []))
+                    self._change(st, want, by_role.get(role, []), uploads)
         except BaseException:
             self.leave(entered)
             raise
+        finally:
+            uploads.close()
         return entered
+
+    def _stream(self, device: torch.device) -> Any:
+        with self._cond:
+            if device not in self._side:
+                self._side[device] = torch.cuda.Stream(device)
+            return self._side[device]
 
     def _take_all(
         self, items: list[tuple[torch.nn.Module, Wanted, str]]
@@ -114,9 +125,11 @@ class Fusions:
                 out.append((st, want, change))
             return out
 
-    def _change(self, st: _State, want: Wanted, layers: list[tuple[LoraLayer, float]]) -> None:
+    def _change(
+        self, st: _State, want: Wanted, layers: list[tuple[LoraLayer, float]], uploads: Uploads
+    ) -> None:
         try:
-            _fuse(st, layers, self.room)
+            _fuse(st, layers, self.room, uploads)
             done = want
         except BaseException:
             done = _CHANGING if st.base else ()  # half fused: never matches, refused next
@@ -162,6 +175,7 @@ def _fuse(
     st: _State,
     layers: list[tuple[LoraLayer, float]],
     room: Callable[[torch.device, int], bool] = lambda device, n: True,
+    uploads: Uploads | None = None,
 ) -> None:
     """Make ``st.module``'s weights its base plus ``layers`` (the caller is the only
     user): a weight both the old and the new LoRAs touch is written once, from its base
@@ -193,7 +207,7 @@ def _fuse(
             for x, w in parts:
                 param.add_(x.bias.to(param.device, param.dtype), alpha=w * x.scale)
         else:
-            _write(param, base, parts)
+            _write(param, base, parts, uploads)
     for param in [p for p in st.base if p not in wanted and p not in biases]:
         param.copy_(st.base.pop(param))
     for dev in touched:
@@ -201,13 +215,20 @@ def _fuse(
             torch.cuda.current_stream(dev).synchronize()
 
 
-def _write(param: torch.Tensor, base: torch.Tensor, parts: list[tuple[LoraLayer, float]]) -> None:
+def _write(
+    param: torch.Tensor,
+    base: torch.Tensor,
+    parts: list[tuple[LoraLayer, float]],
+    uploads: Uploads | None = None,
+) -> None:
     """``param = base + Σ weight · scale · up @ down``."""
     x, w = parts[0]
     if x.down.ndim == 2:  # a linear layer: fused multiply-adds in the weight's dtype
         dev, dt = param.device, param.dtype
 
         def to(t: torch.Tensor) -> torch.Tensor:  # (pinned factors: an async copy)
+            if uploads is not None:
+                return uploads.factor(t, dev).to(dt)
             return t.to(dev, non_blocking=True).to(dt)
 
         if base.device == dev:

@@ -18,7 +18,7 @@ import math
 import os
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -72,6 +72,9 @@ class Lora:
     path: str
     pipeline_class: str
     layers: tuple[LoraLayer, ...]
+    # the one pinned block every factor views, for a LoRA the shelf keeps (one copy
+    # moves them all: nostall.adapters.upload); None for a LoRA read into its own tensors
+    flat: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def roles(self) -> tuple[str, ...]:

@@ -133,7 +133,7 @@ def _packed(lora: Lora, pool: Any) -> Lora | None:
         dataclasses.replace(x, down=put(x.down), up=put(x.up), bias=put(x.bias))
         for x in lora.layers
     )
-    out = dataclasses.replace(lora, layers=layers)
+    out = dataclasses.replace(lora, layers=layers, flat=flat[:n])
     weakref.finalize(out, block.release)
     return out
 
