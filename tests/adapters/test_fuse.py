@@ -101,3 +101,11 @@ def test_without_room_on_the_device_the_base_copies_wait_in_host_memory():
     assert far.base_bytes() == {"cpu": m.lin.weight.nbytes}
     far.leave(far.enter({"transformer": m}, []))
     assert torch.equal(m.lin.weight, base) and far.base_bytes() == {}
+
+
+def test_the_fused_kernel_is_for_gpus_only():
+    from nostall.adapters.kernels import fused_addmm
+
+    w = torch.randn(8, 8, dtype=torch.bfloat16)
+    out = torch.zeros_like(w)
+    assert not fused_addmm(w, w[:, :2], w[:2], 1.0, out) and not out.any()

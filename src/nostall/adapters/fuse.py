@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from nostall.adapters.kernels import fused_addmm
 from nostall.adapters.lora import Lora, LoraLayer, submodule
 from nostall.adapters.upload import Uploads
 
@@ -231,11 +232,17 @@ def _write(
                 return uploads.factor(t, dev).to(dt)
             return t.to(dev, non_blocking=True).to(dt)
 
-        if base.device == dev:
-            torch.addmm(base, to(x.up), to(x.down), alpha=w * x.scale, out=param.data)
-        else:  # a base copy in host memory: copied back in, then added to
-            param.data.copy_(base)
-            param.data.addmm_(to(x.up), to(x.down), alpha=w * x.scale)
+        dst = param.data
+        if base.device != dev:  # a base copy in host memory: copied back in, added to
+            dst.copy_(base)
+            base = dst
+        up, down, alpha = to(x.up), to(x.down), w * x.scale
+        if fused_addmm(base, up, down, alpha, dst):  # one pass over the weight
+            pass
+        elif base is dst:
+            dst.addmm_(up, down, alpha=alpha)
+        else:
+            torch.addmm(base, up, down, alpha=alpha, out=dst)
         for x, w in parts[1:]:
             param.data.addmm_(to(x.up), to(x.down), alpha=w * x.scale)
         return

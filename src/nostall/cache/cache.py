@@ -156,7 +156,8 @@ class ModelCache:
         self._tier = DeviceTier(self.device, gpu_budget)
         loras = os.path.join(self.store.root, "loras") if self.store.root else None
         on_disk = lora_bytes(loras)
-        host = host_budget or (store_bytes(self.store, limit // 2) + min(on_disk, limit // 8))
+        loras_host = lora_budget if lora_budget is not None else min(on_disk, limit // 8)
+        host = host_budget or (store_bytes(self.store, limit // 2) + loras_host)
         if lora_budget is None:
             lora_budget = min(on_disk, host // 4)
         if lora_budget >= host:
