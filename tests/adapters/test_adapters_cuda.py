@@ -83,6 +83,43 @@ def test_base_copies_without_device_room_wait_in_host_memory_with_the_same_image
     assert np.abs(images[0] - images[1]).max() < 1e-3  # (one addmm or a copy and addmm_)
 
 
+def test_bf16_loras_are_fused_by_grouped_launches_within_one_rounding(store, tmp_path,
+                                                                     monkeypatch):  # fmt: skip
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    import nostall.adapters.fuse as fuse
+    from nostall import ModelCache
+
+    src = store / "loras" / "a.safetensors"
+    with safe_open(src, framework="pt") as f:  # the LoRA in the weights' dtype: grouped
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k).bfloat16() for k in f.keys()}  # noqa: SIM118
+    path = str(tmp_path / "a-bf16.safetensors")
+    save_file(tensors, path, metadata=meta)
+    grouped: list[int] = []
+    real = fuse.fused_addmm_group
+    monkeypatch.setattr(fuse, "fused_addmm_group", lambda items: grouped.append(len(items))
+                        or real(items))  # fmt: skip
+    with ModelCache(store, device="cuda", gpu_budget=1 << 30, host_budget=256 << 20,
+                    lora_budget=64 << 20, dtype=torch.bfloat16) as cache:  # fmt: skip
+        with cache.use("flux") as pipe:
+            before = {n: p.detach().clone() for n, p in pipe.transformer.named_parameters()}
+        lora = cache.lora(path, "flux")
+        assert lora.flat is not None  # kept in the pool: its factors move as one block
+        with cache.use("flux", loras={path: 0.7}) as pipe:
+            now = dict(pipe.transformer.named_parameters())
+            for x in lora.layers:
+                base = before[f"{x.module}.weight"].double()
+                want = base + 0.7 * x.scale * (x.up.cuda().double() @ x.down.cuda().double())
+                err = (now[f"{x.module}.weight"].double() - want).abs()
+                assert bool((err <= want.abs() * 2**-7 + 1e-6).all()), x.module
+        with cache.use("flux") as pipe:
+            after = dict(pipe.transformer.named_parameters())
+            assert all(torch.equal(before[n], after[n]) for n in before)
+    assert sum(grouped) == len(lora.layers) and len(grouped) >= 1
+
+
 def test_compiled_transformer_survives_lora_switches_on_cuda(store):
     from torch._dynamo.utils import counters
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from nostall.adapters.kernels import fused_addmm
+from nostall.adapters.kernels import Item, fused_addmm, fused_addmm_group, group_fits
 from nostall.adapters.lora import Lora, LoraLayer, submodule
 from nostall.adapters.upload import Uploads
 
@@ -42,6 +42,7 @@ class _State:
     applied: Wanted = ()
     users: int = 0
     base: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)  # param -> base bytes
+    subs: dict[str, Any] = field(default_factory=dict)  # layer name -> submodule, found once
 
 
 class Fusions:
@@ -188,7 +189,9 @@ def _fuse(
     wanted: dict[torch.Tensor, list[tuple[LoraLayer, float]]] = {}
     biases: dict[torch.Tensor, list[tuple[LoraLayer, float]]] = {}
     for x, w in layers:
-        sub = submodule(module, x.module)  # (check_fits found it)
+        sub = st.subs.get(x.module)
+        if sub is None:
+            sub = st.subs[x.module] = submodule(module, x.module)  # (check_fits found it)
         wanted.setdefault(sub.weight, []).append((x, w))
         if x.bias is not None and getattr(sub, "bias", None) is not None:
             biases.setdefault(sub.bias, []).append((x, w))
@@ -196,6 +199,7 @@ def _fuse(
     new = [p for p in (*wanted, *biases) if p not in st.base]
     devices = {p.device for p in new}
     host = {d for d in devices if not room(d, sum(p.nbytes for p in new if p.device == d))}
+    groups: dict[tuple, list[Item]] = {}  # the weights written by one kernel launch each
     for param, parts in (*wanted.items(), *biases.items()):
         base = st.base.get(param)
         if base is None:
@@ -207,13 +211,59 @@ def _fuse(
             param.copy_(base)
             for x, w in parts:
                 param.add_(x.bias.to(param.device, param.dtype), alpha=w * x.scale)
-        else:
+        elif uploads is None or not _join(param, base, parts, uploads, groups):
             _write(param, base, parts, uploads)
+    _launch(groups, uploads)
     for param in [p for p in st.base if p not in wanted and p not in biases]:
         param.copy_(st.base.pop(param))
     for dev in touched:
         if dev.type == "cuda":  # whole for callers on other streams; factors free again
             torch.cuda.current_stream(dev).synchronize()
+
+
+def _join(
+    param: torch.Tensor,
+    base: torch.Tensor,
+    parts: list[tuple[LoraLayer, float]],
+    uploads: Uploads,
+    groups: dict[tuple, list[Item]],
+) -> bool:
+    """Add ``param = base + Σ …`` to the launches of :func:`_launch` if the grouped kernel
+    can write it (a GPU linear weight whose factors came in one block); else ``False``
+    and nothing is done. Part ``i`` of every weight is one launch per chunk its factors
+    end in: the first parts read the base, later ones add in place, launched after."""
+    dev = param.device
+    if dev.type != "cuda":
+        return False
+    found = []
+    for x, w in parts:
+        if x.down.ndim != 2 or not group_fits(param, x.up, x.down):
+            return False
+        up, down = uploads.locate(x.up, dev), uploads.locate(x.down, dev)
+        if up is None or down is None:
+            return False
+        found.append((x, w, up, down))
+    dst = param.data
+    if base.device != dev:  # a base copy in host memory: copied back in, added to
+        dst.copy_(base)
+        base = dst
+    for i, (x, w, (up, a), (down, b)) in enumerate(found):
+        key = (i, *max(a, b), str(dst.dtype), str(dev))
+        groups.setdefault(key, []).append((base if i == 0 else dst, up, down, w * x.scale,
+                                           dst, x.rank))  # fmt: skip
+    return True
+
+
+def _launch(groups: dict[tuple, list[Item]], uploads: Uploads | None) -> None:
+    """One kernel launch per group, part by part and, within a part, in the order the
+    factors' chunks land; each waits for its chunk (and so for every earlier one: the
+    chunks are copied in order on one stream)."""
+    for key in sorted(groups, key=lambda k: k[:3]):
+        items = groups[key]
+        assert uploads is not None
+        uploads.wait(items[0][0].device, key[1:3])
+        if not fused_addmm_group(items):  # (group_fits checked Triton, one dtype per key)
+            raise RuntimeError(f"the fused LoRA kernel refused {len(items)} weights it fits")
 
 
 def _write(

@@ -16,13 +16,16 @@ says no and the caller uses ``addmm``.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
-__all__ = ["fused_addmm"]
+__all__ = ["available", "fused_addmm", "fused_addmm_group", "group_fits"]
 
 _KERNEL: Any = None
+_GROUP: Any = None
+_AVAILABLE: bool | None = None
 _BLOCK = 128  # output tile (BLOCK × BLOCK): 32 KB of bf16 read and written per program
 
 
@@ -55,6 +58,120 @@ def _kernel() -> Any:
 
     _KERNEL = fuse
     return fuse
+
+
+def _group_kernel() -> Any:
+    global _GROUP
+    if _GROUP is not None:
+        return _GROUP
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fuse_group(ptrs, dims, alphas, like, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr):  # fmt: skip
+        # one launch for many weights: program (tile, g) writes tile ``tile`` of weight g;
+        # ptrs[g] = (base, up, down, out) addresses, dims[g] = (M, N, K), all row-major
+        g = tl.program_id(1)
+        m = tl.load(dims + g * 3)
+        n = tl.load(dims + g * 3 + 1)
+        k = tl.load(dims + g * 3 + 2)
+        tiles_n = tl.cdiv(n, BN)
+        t = tl.program_id(0)
+        if t < tl.cdiv(m, BM) * tiles_n:  # the grid fits the largest weight
+            base = tl.load(ptrs + g * 4).to(like.dtype)
+            up = tl.load(ptrs + g * 4 + 1).to(like.dtype)
+            down = tl.load(ptrs + g * 4 + 2).to(like.dtype)
+            out = tl.load(ptrs + g * 4 + 3).to(like.dtype)
+            alpha = tl.load(alphas + g)
+            rm = (t // tiles_n) * BM + tl.arange(0, BM)
+            rn = (t % tiles_n) * BN + tl.arange(0, BN)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for k0 in range(0, k, BK):
+                rk = k0 + tl.arange(0, BK)
+                a = tl.load(up + rm[:, None] * k + rk[None, :],
+                            mask=(rm[:, None] < m) & (rk[None, :] < k), other=0.0)  # fmt: skip
+                b = tl.load(down + rk[:, None] * n + rn[None, :],
+                            mask=(rk[:, None] < k) & (rn[None, :] < n), other=0.0)  # fmt: skip
+                acc += tl.dot(a, b)
+            mask = (rm[:, None] < m) & (rn[None, :] < n)
+            idx = rm[:, None] * n + rn[None, :]
+            w = tl.load(base + idx, mask=mask, other=0.0)
+            res = w.to(tl.float32) + alpha * acc
+            tl.store(out + idx, res.to(like.dtype.element_ty), mask=mask)
+
+    _GROUP = fuse_group
+    return fuse_group
+
+
+Item = tuple[torch.Tensor, int, int, float, torch.Tensor, int]  # see fused_addmm_group
+
+
+def group_fits(weight: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether ``weight += …`` with factors ``up`` (M, r) and ``down`` (r, N) (their
+    device copies: these may be the host ones) may join :func:`fused_addmm_group`: a
+    row-major bf16/fp16 GPU weight of fewer than 2³¹ elements (int32 offsets), row-major
+    factors in its dtype, and Triton there."""
+    if not (weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if weight.ndim != 2 or up.ndim != 2 or down.ndim != 2 or weight.numel() >= 1 << 31:
+        return False
+    (m, n), k = weight.shape, up.shape[1]
+    if up.shape[0] != m or tuple(down.shape) != (k, n):
+        return False
+    if up.dtype != weight.dtype or down.dtype != weight.dtype:
+        return False
+    return all(t.is_contiguous() for t in (weight, up, down)) and available()
+
+
+def available() -> bool:
+    """Whether Triton is there to build the kernels (checked once)."""
+    global _AVAILABLE
+    if _AVAILABLE is None:
+        try:
+            import triton  # noqa: F401
+
+            _AVAILABLE = True
+        except ImportError:
+            _AVAILABLE = False
+    return _AVAILABLE
+
+
+def fused_addmm_group(items: list[Item]) -> bool:
+    """``out = base + alpha · up @ down`` for every item in one kernel launch, each
+    weight read once and written once (``base`` may be ``out``). An item is ``(base,
+    up address, down address, alpha, out, rank)``: the factors by device address (views
+    of a LoRA's block copied to the GPU whole), row-major ``(M, rank)`` and ``(rank, N)``
+    in the weights' dtype, every weight accepted by :func:`group_fits`. Returns
+    ``False``, having done nothing, without Triton or with mixed dtypes or devices."""
+    if not items:
+        return True
+    first = items[0][0]
+    if any(b.dtype != first.dtype or b.device != first.device for b, *_ in items):
+        return False
+    try:
+        kernel = _group_kernel()
+    except ImportError:
+        return False
+    ptrs, dims, alphas, most, rank = [], [], [], 0, 1
+    for base, up, down, alpha, out, k in items:
+        m, n = base.shape
+        ptrs += (base.data_ptr(), up, down, out.data_ptr())
+        dims += (m, n, k)
+        alphas.append(alpha)
+        most = max(most, -(-m // _BLOCK) * -(-n // _BLOCK))
+        rank = max(rank, k)
+    dev = first.device
+    # (small tables from pageable memory: copied before the launch, in stream order)
+    p = torch.tensor(ptrs, dtype=torch.int64).to(dev, non_blocking=True)
+    d = torch.tensor(dims, dtype=torch.int32).to(dev, non_blocking=True)
+    a = torch.tensor(alphas, dtype=torch.float32).to(dev, non_blocking=True)
+    bk = max(16, min(64, 1 << (rank - 1).bit_length()))  # tl.dot needs 16 or more
+    # (a CPU tensor only under Triton's interpreter, TRITON_INTERPRET=1: the CPU tests)
+    where = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+    with where:
+        kernel[(most, len(items))](p, d, a, first, BM=_BLOCK, BN=_BLOCK, BK=bk, num_warps=8)
+    return True
 
 
 def fused_addmm(

@@ -33,6 +33,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -178,6 +179,7 @@ class ModelCache:
         # LoRAs: read from <store>/loras (or paths), fused into resident modules per use()
         self._shelf = Shelf(loras, lora_budget, device=self.device)
         self._fusions = Fusions(wait_s, room=self._room)
+        self._fitted: dict[int, tuple[Any, tuple[int, ...]]] = {}  # LoRAs checked, on what
         root = self.store.root
         self._controlnets = os.path.join(root, "controlnets") if root else None
         self._protected: set[str] = set()  # prefetched, not used yet
@@ -309,6 +311,7 @@ class ModelCache:
         entered, for :meth:`Fusions.leave`."""
         modules = _adaptable(pipe)
         loras = [(self.lora(n, name), w) for n, w in wanted]
+        ids = tuple(id(m) for m in modules.values())
         for lora, _ in loras:
             left = sorted(set(lora.roles) & set(without))
             if left:
@@ -317,7 +320,11 @@ class ModelCache:
                     "out (prompts encoded elsewhere would not see it); use it with them",
                     field="loras",
                 )
-            check_fits(lora, modules)
+            fitted = self._fitted.get(id(lora))
+            if fitted is None or fitted[0]() is not lora or fitted[1] != ids:
+                check_fits(lora, modules)  # (5 ms for a FLUX LoRA: once per LoRA read)
+                self._fitted = {k: v for k, v in self._fitted.items() if v[0]() is not None}
+                self._fitted[id(lora)] = (weakref.ref(lora), ids)
         return self._fusions.enter(modules, loras)
 
     def _room(self, device: torch.device, nbytes: int) -> bool:
