@@ -99,8 +99,13 @@ def test_bf16_loras_are_fused_by_grouped_launches_within_one_rounding(store, tmp
     save_file(tensors, path, metadata=meta)
     grouped: list[int] = []
     real = fuse.fused_addmm_group
-    monkeypatch.setattr(fuse, "fused_addmm_group", lambda items: grouped.append(len(items))
-                        or real(items))  # fmt: skip
+
+    def counted(items):
+        done = real(items)
+        grouped.append(len(items))  # (after the launch: a kernel that failed is not counted)
+        return done
+
+    monkeypatch.setattr(fuse, "fused_addmm_group", counted)
     with ModelCache(store, device="cuda", gpu_budget=1 << 30, host_budget=256 << 20,
                     lora_budget=64 << 20, dtype=torch.bfloat16) as cache:  # fmt: skip
         with cache.use("flux") as pipe:
@@ -145,3 +150,35 @@ def test_compiled_transformer_survives_lora_switches_on_cuda(store):
             again = compiled(**inputs)[0]
     assert counters["stats"]["unique_graphs"] == 0 and not counters["recompiles"]
     assert torch.equal(again, base)
+
+
+def test_a_grouped_kernel_that_fails_to_build_falls_back_weight_by_weight(
+    store, tmp_path, monkeypatch, caplog
+):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    import nostall.adapters.fuse as fuse
+    import nostall.adapters.kernels as kernels
+    from nostall import ModelCache
+
+    with safe_open(store / "loras" / "b.safetensors", framework="pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k).bfloat16() for k in f.keys()}  # noqa: SIM118
+    path = str(tmp_path / "b-bf16.safetensors")
+    save_file(tensors, path, metadata=meta)
+
+    def broken(items):
+        raise RuntimeError("no compiler (simulated)")
+
+    monkeypatch.setattr(kernels, "_AVAILABLE", True)  # restored after: later tests group
+    images = []
+    for patch in (False, True):
+        if patch:
+            monkeypatch.setattr(fuse, "fused_addmm_group", broken)
+        cache = ModelCache(store, device="cuda", gpu_budget=1 << 30, host_budget=256 << 20,
+                           lora_budget=64 << 20, dtype=torch.bfloat16)  # fmt: skip
+        with cache, cache.use("flux", loras={path: 0.8}) as pipe:
+            images.append(_image(pipe))
+    assert "fusing weight by weight" in caplog.text and not kernels.available()
+    assert np.abs(images[0] - images[1]).max() < 1e-2  # the same LoRA, another rounding

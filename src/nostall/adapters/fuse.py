@@ -18,6 +18,7 @@ tiers is base again (:meth:`Fusions.reloaded`).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -25,11 +26,14 @@ from typing import Any
 
 import torch
 
+from nostall.adapters import kernels
 from nostall.adapters.kernels import Item, fused_addmm, fused_addmm_group, group_fits
 from nostall.adapters.lora import Lora, LoraLayer, submodule
 from nostall.adapters.upload import Uploads
 
 __all__ = ["Fusions", "Wanted"]
+
+log = logging.getLogger(__name__)
 
 # what one module should hold: ((lora path, lora identity, weight), ...) in order
 Wanted = tuple[tuple[str, Any, float], ...]
@@ -199,7 +203,7 @@ def _fuse(
     new = [p for p in (*wanted, *biases) if p not in st.base]
     devices = {p.device for p in new}
     host = {d for d in devices if not room(d, sum(p.nbytes for p in new if p.device == d))}
-    groups: dict[tuple, list[Item]] = {}  # the weights written by one kernel launch each
+    groups: dict[tuple, list[tuple[Item, Any]]] = {}  # weights written by one launch each
     for param, parts in (*wanted.items(), *biases.items()):
         base = st.base.get(param)
         if base is None:
@@ -226,7 +230,7 @@ def _join(
     base: torch.Tensor,
     parts: list[tuple[LoraLayer, float]],
     uploads: Uploads,
-    groups: dict[tuple, list[Item]],
+    groups: dict[tuple, list[tuple[Item, Any]]],
 ) -> bool:
     """Add ``param = base + Σ …`` to the launches of :func:`_launch` if the grouped kernel
     can write it (a GPU linear weight whose factors came in one block); else ``False``
@@ -249,21 +253,37 @@ def _join(
         base = dst
     for i, (x, w, (up, a), (down, b)) in enumerate(found):
         key = (i, *max(a, b), str(dst.dtype), str(dev))
-        groups.setdefault(key, []).append((base if i == 0 else dst, up, down, w * x.scale,
-                                           dst, x.rank))  # fmt: skip
+        item = (base if i == 0 else dst, up, down, w * x.scale, dst, x.rank)
+        groups.setdefault(key, []).append((item, (param, base, parts)))
     return True
 
 
-def _launch(groups: dict[tuple, list[Item]], uploads: Uploads | None) -> None:
+def _launch(groups: dict[tuple, list[tuple[Item, Any]]], uploads: Uploads | None) -> None:
     """One kernel launch per group, part by part and, within a part, in the order the
     factors' chunks land; each waits for its chunk (and so for every earlier one: the
-    chunks are copied in order on one stream)."""
-    for key in sorted(groups, key=lambda k: k[:3]):
-        items = groups[key]
+    chunks are copied in order on one stream). A kernel that cannot be built here is
+    said once; the weights are then written one by one."""
+    done = 0
+    keys = sorted(groups, key=lambda k: k[:3])
+    try:
+        for key in keys:
+            items = [item for item, _ in groups[key]]
+            assert uploads is not None
+            uploads.wait(items[0][0].device, key[1:3])
+            if not fused_addmm_group(items):  # (group_fits checked Triton; one dtype a key)
+                raise RuntimeError(f"the grouped kernel refused {len(items)} weights it fits")
+            done += 1
+    except Exception as e:
+        if done:  # weights half written by launches: not something to redo one by one
+            raise
+        log.warning("the grouped LoRA kernel failed (%s: %s); fusing weight by weight",
+                    type(e).__name__, e)  # fmt: skip
+        kernels.disable()
         assert uploads is not None
-        uploads.wait(items[0][0].device, key[1:3])
-        if not fused_addmm_group(items):  # (group_fits checked Triton, one dtype per key)
-            raise RuntimeError(f"the fused LoRA kernel refused {len(items)} weights it fits")
+        for key in keys:
+            for _, (param, base, parts) in groups[key]:
+                if key[0] == 0:  # each weight once, all its parts
+                    _write(param, base, parts, uploads)
 
 
 def _write(

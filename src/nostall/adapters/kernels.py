@@ -124,6 +124,12 @@ def group_fits(weight: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> bo
     return all(t.is_contiguous() for t in (weight, up, down)) and available()
 
 
+def disable() -> None:
+    """No grouped launches from now on in this process (the kernel failed to build)."""
+    global _AVAILABLE
+    _AVAILABLE = False
+
+
 def available() -> bool:
     """Whether Triton is there to build the kernels (checked once)."""
     global _AVAILABLE
