@@ -109,3 +109,65 @@ def test_the_fused_kernel_is_for_gpus_only():
     w = torch.randn(8, 8, dtype=torch.bfloat16)
     out = torch.zeros_like(w)
     assert not fused_addmm(w, w[:, :2], w[:2], 1.0, out) and not out.any()
+
+
+def _launch_test_weights(n: int):
+    """``n`` CPU weights with one LoRA part each, and two parts for the last."""
+    out = []
+    for i in range(n):
+        m = _module(i)
+        parts = [(_lora(f"l{i}", "transformer", 10 + i).layers[0], 1.0)]
+        if i == n - 1:
+            parts.append((_lora("extra", "transformer", 99).layers[0], 0.5))
+        w = m.lin.weight
+        out.append((w, w.detach().clone(), parts))
+    return out
+
+
+def test_first_parts_launch_chunk_by_chunk_and_later_parts_after_them(monkeypatch):
+    import nostall.adapters.fuse as fuse
+
+    launched: list[list[int]] = []
+    monkeypatch.setattr(fuse, "fused_addmm_group",
+                        lambda items: launched.append([it[1] for it in items]) or True)  # fmt: skip
+    uploads = fuse.Uploads([], lambda d: None)
+    waits: list[tuple] = []
+    monkeypatch.setattr(uploads, "wait", lambda dev, key: waits.append(key))
+    weights = _launch_test_weights(4)
+    launches = fuse._Launches(uploads)
+    chunks = [0, 0, 1, 1]
+    for j, (w, base, parts) in enumerate(weights):
+        for i, _ in enumerate(parts):
+            key = (i, 0, chunks[j], "float32", "cpu")
+            launches.add(key, (base, 10 * j + i, 0, 1.0, w, 2), (w, base, parts))
+        if j == 2:  # the next chunk came: the first chunk's launch went at once
+            assert launched == [[0, 10]] and waits == [(0, 0)]
+    launches.finish()
+    assert launched == [[0, 10], [20, 30], [31]]  # the last weight's second part last
+    assert waits == [(0, 0), (0, 1), (0, 1)] and launches.groups == {}
+
+
+def test_a_kernel_that_fails_first_is_replaced_weight_by_weight(monkeypatch, caplog):
+    import nostall.adapters.fuse as fuse
+    import nostall.adapters.kernels as kernels
+
+    def broken(items):
+        raise RuntimeError("no compiler (simulated)")
+
+    monkeypatch.setattr(fuse, "fused_addmm_group", broken)
+    monkeypatch.setattr(kernels, "_AVAILABLE", True)
+    uploads = fuse.Uploads([], lambda d: None)
+    monkeypatch.setattr(uploads, "wait", lambda dev, key: None)
+    weights = _launch_test_weights(3)
+    want = []
+    for _, base, parts in weights:
+        delta = sum(wt * x.scale * x.up @ x.down for x, wt in parts)
+        want.append(base + delta)
+    launches = fuse._Launches(uploads)
+    for j, (w, base, parts) in enumerate(weights):
+        for i, _ in enumerate(parts):
+            launches.add((i, 0, j, "float32", "cpu"), (base, 0, 0, 1.0, w, 2), (w, base, parts))
+    launches.finish()
+    assert caplog.text.count("fusing weight by weight") == 1 and not kernels.available()
+    for (w, _, _), expect in zip(weights, want, strict=True):
+        assert torch.allclose(w, expect, atol=1e-5)

@@ -203,7 +203,7 @@ def _fuse(
     new = [p for p in (*wanted, *biases) if p not in st.base]
     devices = {p.device for p in new}
     host = {d for d in devices if not room(d, sum(p.nbytes for p in new if p.device == d))}
-    groups: dict[tuple, list[tuple[Item, Any]]] = {}  # weights written by one launch each
+    launches = _Launches(uploads) if uploads is not None else None  # the grouped kernel's
     for param, parts in (*wanted.items(), *biases.items()):
         base = st.base.get(param)
         if base is None:
@@ -215,9 +215,10 @@ def _fuse(
             param.copy_(base)
             for x, w in parts:
                 param.add_(x.bias.to(param.device, param.dtype), alpha=w * x.scale)
-        elif uploads is None or not _join(param, base, parts, uploads, groups):
+        elif launches is None or not _join(param, base, parts, uploads, launches):
             _write(param, base, parts, uploads)
-    _launch(groups, uploads)
+    if launches is not None:
+        launches.finish()
     for param in [p for p in st.base if p not in wanted and p not in biases]:
         param.copy_(st.base.pop(param))
     for dev in touched:
@@ -230,12 +231,12 @@ def _join(
     base: torch.Tensor,
     parts: list[tuple[LoraLayer, float]],
     uploads: Uploads,
-    groups: dict[tuple, list[tuple[Item, Any]]],
+    launches: _Launches,
 ) -> bool:
-    """Add ``param = base + Σ …`` to the launches of :func:`_launch` if the grouped kernel
-    can write it (a GPU linear weight whose factors came in one block); else ``False``
-    and nothing is done. Part ``i`` of every weight is one launch per chunk its factors
-    end in: the first parts read the base, later ones add in place, launched after."""
+    """Hand ``param = base + Σ …`` to ``launches`` if the grouped kernel can write it (a
+    GPU linear weight whose factors came in one block); else ``False`` and nothing is
+    done. Part ``i`` of every weight joins the launch of its chunk: the first parts read
+    the base, later ones add in place, launched after every first part."""
     dev = param.device
     if dev.type != "cuda":
         return False
@@ -253,37 +254,65 @@ def _join(
         base = dst
     for i, (x, w, (up, a), (down, b)) in enumerate(found):
         key = (i, *max(a, b), str(dst.dtype), str(dev))
-        item = (base if i == 0 else dst, up, down, w * x.scale, dst, x.rank)
-        groups.setdefault(key, []).append((item, (param, base, parts)))
+        launches.add(key, (base if i == 0 else dst, up, down, w * x.scale, dst, x.rank),
+                     (param, base, parts))  # fmt: skip
     return True
 
 
-def _launch(groups: dict[tuple, list[tuple[Item, Any]]], uploads: Uploads | None) -> None:
-    """One kernel launch per group, part by part and, within a part, in the order the
-    factors' chunks land; each waits for its chunk (and so for every earlier one: the
-    chunks are copied in order on one stream). A kernel that cannot be built here is
-    said once; the weights are then written one by one."""
-    done = 0
-    keys = sorted(groups, key=lambda k: k[:3])
-    try:
-        for key in keys:
-            items = [item for item, _ in groups[key]]
-            assert uploads is not None
-            uploads.wait(items[0][0].device, key[1:3])
+class _Launches:
+    """The grouped kernel's launches of one fuse: the first parts of the weights whose
+    factors end in one chunk go as soon as the next chunk's come (the GPU works while
+    this thread walks the rest), later parts at :meth:`finish`, after every first part.
+    Each launch waits for its chunk, and so for every earlier one (one copy stream). A
+    kernel that cannot be built here is said once; the weights are then written one by
+    one."""
+
+    def __init__(self, uploads: Uploads):
+        self.uploads = uploads
+        self.groups: dict[tuple, list[tuple[Item, Any]]] = {}
+        self.last: tuple | None = None
+        self.launched = 0
+        self.failed = False
+
+    def add(self, key: tuple, item: Item, weight: Any) -> None:
+        if not self.failed and self.last not in (None, key) and self.last[0] == 0:
+            self._run(self.last)
+        if self.failed:  # (a weight's first part writes all its parts, one by one)
+            if key[0] == 0:
+                _write(*weight, self.uploads)
+            return
+        self.groups.setdefault(key, []).append((item, weight))
+        self.last = key
+
+    def finish(self) -> None:
+        for key in sorted(self.groups, key=lambda k: k[:3]):
+            if key in self.groups:
+                self._run(key)
+
+    def _run(self, key: tuple) -> None:
+        group = self.groups.get(key)
+        if group is None:
+            return
+        items = [item for item, _ in group]
+        try:
+            self.uploads.wait(items[0][0].device, key[1:3])
             if not fused_addmm_group(items):  # (group_fits checked Triton; one dtype a key)
                 raise RuntimeError(f"the grouped kernel refused {len(items)} weights it fits")
-            done += 1
-    except Exception as e:
-        if done:  # weights half written by launches: not something to redo one by one
-            raise
-        log.warning("the grouped LoRA kernel failed (%s: %s); fusing weight by weight",
-                    type(e).__name__, e)  # fmt: skip
-        kernels.disable()
-        assert uploads is not None
-        for key in keys:
-            for _, (param, base, parts) in groups[key]:
-                if key[0] == 0:  # each weight once, all its parts
-                    _write(param, base, parts, uploads)
+        except Exception as e:
+            if self.launched:  # weights written by launches: nothing to redo one by one
+                raise
+            log.warning("the grouped LoRA kernel failed (%s: %s); fusing weight by weight",
+                        type(e).__name__, e)  # fmt: skip
+            kernels.disable()
+            self.failed = True
+            pending, self.groups = self.groups, {}
+            for k, g in pending.items():
+                if k[0] == 0:
+                    for _, weight in g:
+                        _write(*weight, self.uploads)
+            return
+        del self.groups[key]
+        self.launched += 1
 
 
 def _write(

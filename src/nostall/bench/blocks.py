@@ -15,6 +15,7 @@ from collections.abc import Callable
 from nostall.bench.markdown import NA, Doc, num, provenance, secs, table, targets_table, when
 
 __all__ = [
+    "ADAPTERS",
     "BLOCKS",
     "DECODE",
     "FP8",
@@ -498,6 +499,81 @@ def serve_targets(doc: Doc) -> str:
     return targets_table(doc, [SERVE, SERVE_B1, SERVE_FIRST])
 
 
+ADAPTERS = "adapters.json"
+# every GPU run of the LoRA switch, oldest first, and what its commit changed
+ADAPTER_RUNS = (
+    ("history/adapters-460f467.json", "addmm per weight from the kept base copy"),
+    ("history/adapters-da0bee6.json", "one Triton kernel per weight (one pass)"),
+    ("history/adapters-0a84e35.json", "one grouped launch per factor chunk"),
+    (ADAPTERS, "launches as the chunks land, while the walk goes on"),
+)
+
+
+def adapters(doc: Doc) -> str:
+    """LoRAs per rank in the latest record: diffusers + PEFT beside nostall, same run."""
+    r = doc.rec(ADAPTERS)
+    peer, ours = r.get("peer", {}).get("ranks", {}), r.get("nostall", {}).get("switch", {})
+    rows = []
+    for rank in sorted({*peer, *ours}, key=int):
+        p, n = peer.get(rank, {}), ours.get(rank, {})
+        mb = r.get("loras", {}).get(f"r{rank}-a", {}).get("bytes")
+        rows.append([rank, NA if mb is None else f"{mb / 1e6:.0f}",
+                     secs(p.get("first_load_s")), secs(p.get("hotswap_s"), 4),
+                     secs(p.get("hotswap_from_memory_s"), 4),
+                     NA if "unfused_forward_overhead" not in p
+                     else f"{p['unfused_forward_overhead']:+.1%}",
+                     secs(max(n["first_switch_s"]) if n else None),
+                     secs(n.get("switch_s"), 4), secs(n.get("from_base_s"), 4),
+                     secs(n.get("to_base_s"), 4)])  # fmt: skip
+    head = ["rank", "LoRA MB", "diffusers: first load", "diffusers: hotswap",
+            "hotswap from memory", "unfused forward", "nostall: first switch (file read)",
+            "LoRA → LoRA", "base → LoRA", "LoRA → base"]  # fmt: skip
+    fwd = r.get("nostall", {}).get("forward", {})
+    comp = r.get("nostall", {}).get("compiled", {})
+    lines = [table(head, rows), ""]
+    if "overhead" in fwd:
+        lines.append(f"Forward at 1024² with a fused rank-{r['config']['switch_rank']} LoRA: "
+                     f"{fwd['lora_forward_s'] * 1e3:.1f} ms against {fwd['base_forward_s'] * 1e3:.1f}"
+                     f" ms for the base ({fwd['overhead']:+.1%}). Graphs compiled over "
+                     f"{comp.get('switches', NA)} switches of an inductor-compiled transformer: "
+                     f"{num(comp.get('frames_compiled'))}.")  # fmt: skip
+    cn = r.get("controlnet", {})
+    if "attach_gbps" in cn:
+        peer_cn = cn.get("peer", {})
+        lines.append(f"ControlNet ({cn['model']['nbytes'] / 1e9:.2f} GB) attached from the host "
+                     f"tier in {cn['nostall']['attach_s']:.3f} s ({cn['attach_gbps']:.1f} GB/s); "
+                     f"diffusers' load + pipeline {num(peer_cn.get('attach_s'))} s; images "
+                     f"equal: {num(cn.get('image', {}).get('equal'))}.")  # fmt: skip
+    appended = r.get("appended")
+    if appended:
+        lines.append(f"The {', '.join(appended['parts'])} part ran at `{appended['commit']}` "
+                     f"({appended['date'][:16]}), each against its own peer, and was kept by "
+                     "`--append`.")  # fmt: skip
+    lines += ["", provenance(doc, ADAPTERS)]
+    return "\n".join(lines)
+
+
+def adapters_runs(doc: Doc) -> str:
+    """The LoRA switch in every GPU run, against the peer's hotswap of the same run."""
+    rows = []
+    for name, change in ADAPTER_RUNS:
+        r = doc.rec(name)
+        ours = r.get("nostall", {}).get("switch", {})
+        hot = r.get("peer", {}).get("ranks", {}).get("64", {}).get("hotswap_s")
+        r64 = ours.get("64", {}).get("switch_s")
+        rows.append([f"`{r['commit']}`", change,
+                     *(secs(ours.get(k, {}).get("switch_s"), 4) for k in ("16", "64", "128")),
+                     secs(ours.get("64", {}).get("to_base_s"), 4), secs(hot, 4),
+                     f"{hot / r64:.1f}×" if hot and r64 else NA])  # fmt: skip
+    head = ["run", "fuse", "r16", "r64", "r128", "r64 → base (a copy)",
+            "diffusers hotswap r64", "vs hotswap"]  # fmt: skip
+    return table(head, rows)
+
+
+def adapters_targets(doc: Doc) -> str:
+    return targets_table(doc, [ADAPTERS, *(n for n, _ in ADAPTER_RUNS[:-1][::-1])])
+
+
 BLOCKS: dict[str, Callable[[Doc], str]] = {
     "load-warm": load_warm,
     "load-cold": load_cold,
@@ -518,4 +594,7 @@ BLOCKS: dict[str, Callable[[Doc], str]] = {
     "serve-streams": serve_streams,
     "serve-by-model": serve_by_model,
     "serve-targets": serve_targets,
+    "adapters": adapters,
+    "adapters-runs": adapters_runs,
+    "adapters-targets": adapters_targets,
 }
