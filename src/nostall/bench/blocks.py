@@ -504,7 +504,8 @@ ADAPTERS = "adapters.json"
 ADAPTER_RUNS = (
     ("history/adapters-460f467.json", "addmm per weight from the kept base copy"),
     ("history/adapters-da0bee6.json", "one Triton kernel per weight (one pass)"),
-    (ADAPTERS, "one grouped launch per chunk of factors"),
+    ("history/adapters-0a84e35.json", "one grouped launch per factor chunk"),
+    (ADAPTERS, "launches as the chunks land, while the walk goes on"),
 )
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from nostall.bench.blocks import (
-    ADAPTERS,
     DECODE,
     FP8,
     LOAD,
@@ -199,21 +198,6 @@ def readme_fp8(doc: Doc) -> str:
     )
 
 
-def readme_adapters(doc: Doc) -> str:
-    r = doc.rec(ADAPTERS)
-    rank = str(r["config"]["switch_rank"])
-    ours, peer = r["nostall"]["switch"][rank], r["peer"]["ranks"][rank]
-    mb = r["loras"][f"r{rank}-a"]["bytes"] / 1e6
-    return (
-        f"a rank-{rank} FLUX LoRA ({mb:.0f} MB, 418 layers) replaces another in "
-        f"{ours['switch_s'] * 1e3:.1f} ms, {peer['hotswap_s'] / ours['switch_s']:.1f}x faster "
-        f"than diffusers' hotswap in the same run ({peer['hotswap_s'] * 1e3:.0f} ms), with no "
-        f"recompilation, no per-step cost ({r['nostall']['forward']['overhead']:+.1%}) and "
-        f"the base back bit for bit; a 6.6 GB ControlNet attaches at "
-        f"{r['controlnet']['attach_gbps']:.1f} GB/s"
-    )
-
-
 BLOCKS: dict[str, Callable[[Doc], str]] = {
     "readme-switch": readme_switch,
     "readme-load": readme_load,
@@ -222,5 +206,4 @@ BLOCKS: dict[str, Callable[[Doc], str]] = {
     "readme-two-gpus": readme_two_gpus,
     "readme-fp8": readme_fp8,
     "readme-serve": readme_serve,
-    "readme-adapters": readme_adapters,
 }
