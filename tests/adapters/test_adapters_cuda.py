@@ -98,14 +98,14 @@ def test_bf16_loras_are_fused_by_grouped_launches_within_one_rounding(store, tmp
     path = str(tmp_path / "a-bf16.safetensors")
     save_file(tensors, path, metadata=meta)
     grouped: list[int] = []
-    real = fuse.fused_addmm_group
+    real = fuse.launch_group
 
-    def counted(items):
-        done = real(items)
-        grouped.append(len(items))  # (after the launch: a kernel that failed is not counted)
+    def counted(tables, ptrs=None):
+        done = real(tables, ptrs)
+        grouped.append(tables.ptrs.shape[0])  # (after: a kernel that failed is not counted)
         return done
 
-    monkeypatch.setattr(fuse, "fused_addmm_group", counted)
+    monkeypatch.setattr(fuse, "launch_group", counted)
     with ModelCache(store, device="cuda", gpu_budget=1 << 30, host_budget=256 << 20,
                     lora_budget=64 << 20, dtype=torch.bfloat16) as cache:  # fmt: skip
         with cache.use("flux") as pipe:
@@ -168,17 +168,46 @@ def test_a_grouped_kernel_that_fails_to_build_falls_back_weight_by_weight(
     path = str(tmp_path / "b-bf16.safetensors")
     save_file(tensors, path, metadata=meta)
 
-    def broken(items):
+    def broken(tables, ptrs=None):
         raise RuntimeError("no compiler (simulated)")
 
     monkeypatch.setattr(kernels, "_AVAILABLE", True)  # restored after: later tests group
     images = []
     for patch in (False, True):
         if patch:
-            monkeypatch.setattr(fuse, "fused_addmm_group", broken)
+            monkeypatch.setattr(fuse, "launch_group", broken)
         cache = ModelCache(store, device="cuda", gpu_budget=1 << 30, host_budget=256 << 20,
                            lora_budget=64 << 20, dtype=torch.bfloat16)  # fmt: skip
         with cache, cache.use("flux", loras={path: 0.8}) as pipe:
             images.append(_image(pipe))
     assert "fusing weight by weight" in caplog.text and not kernels.available()
     assert np.abs(images[0] - images[1]).max() < 1e-2  # the same LoRA, another rounding
+
+
+def test_switching_back_to_a_lora_replays_its_launches_bit_for_bit(store, tmp_path, monkeypatch):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    import nostall.adapters.fuse as fuse
+    from nostall import ModelCache
+
+    paths = []
+    for name in ("a", "b"):
+        with safe_open(store / "loras" / f"{name}.safetensors", framework="pt") as f:
+            meta = f.metadata()
+            tensors = {k: f.get_tensor(k).bfloat16() for k in f.keys()}  # noqa: SIM118
+        paths.append(str(tmp_path / f"{name}-bf16.safetensors"))
+        save_file(tensors, paths[-1], metadata=meta)
+    replays: list[int] = []
+    real = fuse._Plan.run
+    monkeypatch.setattr(fuse._Plan, "run", lambda self, up: replays.append(1) or real(self, up))
+    with ModelCache(store, device="cuda", gpu_budget=1 << 30, host_budget=256 << 20,
+                    lora_budget=64 << 20, dtype=torch.bfloat16) as cache:  # fmt: skip
+        seen = []
+        for k in range(4):  # a, b, a (replayed), b (replayed)
+            with cache.use("flux", loras={paths[k % 2]: 0.7}) as pipe:
+                seen.append({n: p.detach().clone() for n, p in pipe.transformer.named_parameters()})
+    assert len(replays) == 2
+    for k in (2, 3):
+        assert all(torch.equal(seen[k][n], seen[k - 2][n]) for n in seen[k])
+    assert any(not torch.equal(seen[0][n], seen[1][n]) for n in seen[0])

@@ -128,8 +128,8 @@ def test_first_parts_launch_chunk_by_chunk_and_later_parts_after_them(monkeypatc
     import nostall.adapters.fuse as fuse
 
     launched: list[list[int]] = []
-    monkeypatch.setattr(fuse, "fused_addmm_group",
-                        lambda items: launched.append([it[1] for it in items]) or True)  # fmt: skip
+    monkeypatch.setattr(fuse, "launch_group",
+                        lambda t, p=None: launched.append(t.ptrs[:, 1].tolist()) or True)  # fmt: skip
     uploads = fuse.Uploads([], lambda d: None)
     waits: list[tuple] = []
     monkeypatch.setattr(uploads, "wait", lambda dev, key: waits.append(key))
@@ -151,10 +151,10 @@ def test_a_kernel_that_fails_first_is_replaced_weight_by_weight(monkeypatch, cap
     import nostall.adapters.fuse as fuse
     import nostall.adapters.kernels as kernels
 
-    def broken(items):
+    def broken(tables, ptrs=None):
         raise RuntimeError("no compiler (simulated)")
 
-    monkeypatch.setattr(fuse, "fused_addmm_group", broken)
+    monkeypatch.setattr(fuse, "launch_group", broken)
     monkeypatch.setattr(kernels, "_AVAILABLE", True)
     uploads = fuse.Uploads([], lambda d: None)
     monkeypatch.setattr(uploads, "wait", lambda dev, key: None)
@@ -171,3 +171,35 @@ def test_a_kernel_that_fails_first_is_replaced_weight_by_weight(monkeypatch, cap
     assert caplog.text.count("fusing weight by weight") == 1 and not kernels.available()
     for (w, _, _), expect in zip(weights, want, strict=True):
         assert torch.allclose(w, expect, atol=1e-5)
+
+
+def test_a_plan_replays_the_launches_with_the_factors_new_address(monkeypatch):
+    import nostall.adapters.fuse as fuse
+
+    calls: list[tuple[list[int], list[list[int]] | None]] = []
+    monkeypatch.setattr(fuse, "launch_group", lambda t, p=None: calls.append(
+        (t.ptrs.tolist(), None if p is None else p.tolist())) or True)  # fmt: skip
+    uploads = fuse.Uploads([], lambda d: None)
+    block = {"at": 1000}
+    monkeypatch.setattr(uploads, "wait", lambda dev, key: None)
+    monkeypatch.setattr(uploads, "device_base", lambda dev, i: block["at"])
+    weights = _launch_test_weights(2)
+    launches = fuse._Launches(uploads)
+    for j, (w, base, parts) in enumerate(weights):
+        for i, _ in enumerate(parts):
+            launches.add((i, 0, j, "float32", "cpu"), (base, 1000 + 10 * j + i, 1500 + j, 1.0, w, 2),
+                         (w, base, parts))  # fmt: skip
+    launches.finish()
+    assert launches.plannable() and len(calls) == 3
+    st = fuse._State(torch.nn.Module())
+    plan = fuse._Plan.of(st, uploads, launches)
+    first = [ptrs for ptrs, _ in calls]
+    calls.clear()
+    block["at"] = 5000  # the next switch's copy of the block is elsewhere
+    plan.run(uploads)
+    assert [tables for tables, _ in calls] == first  # the same launches, same tables
+    for (_, moved), rows in zip(calls, first, strict=True):
+        for got, row in zip(moved, rows, strict=True):  # (base, up, down, out)
+            assert got == [row[0], row[1] + 4000, row[2] + 4000, row[3]]
+    st.generation += 1  # the base copies changed: the plan is void
+    assert not plan.valid(st, uploads)

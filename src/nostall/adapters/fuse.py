@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +28,14 @@ from typing import Any
 import torch
 
 from nostall.adapters import kernels
-from nostall.adapters.kernels import Item, fused_addmm, fused_addmm_group, group_fits
+from nostall.adapters.kernels import (
+    Item,
+    Tables,
+    fused_addmm,
+    group_fits,
+    group_tables,
+    launch_group,
+)
 from nostall.adapters.lora import Lora, LoraLayer, submodule
 from nostall.adapters.upload import Uploads
 
@@ -47,6 +55,9 @@ class _State:
     users: int = 0
     base: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)  # param -> base bytes
     subs: dict[str, Any] = field(default_factory=dict)  # layer name -> submodule, found once
+    # bumped whenever the set of base copies changes: a launch plan is for one generation
+    generation: int = 0
+    plans: dict[tuple, _Plan] = field(default_factory=dict)
 
 
 class Fusions:
@@ -135,7 +146,7 @@ class Fusions:
         self, st: _State, want: Wanted, layers: list[tuple[LoraLayer, float]], uploads: Uploads
     ) -> None:
         try:
-            _fuse(st, layers, self.room, uploads)
+            _fuse(st, layers, self.room, uploads, want)
             done = want
         except BaseException:
             done = _CHANGING if st.base else ()  # half fused: never matches, refused next
@@ -161,6 +172,8 @@ class Fusions:
                 st = self._states.get(id(m))
                 if st is not None and st.module is m:
                     st.applied, st.base = (), {}
+                    st.generation += 1
+                    st.plans.clear()
 
     def clear(self) -> None:
         with self._cond:
@@ -182,6 +195,7 @@ def _fuse(
     layers: list[tuple[LoraLayer, float]],
     room: Callable[[torch.device, int], bool] = lambda device, n: True,
     uploads: Uploads | None = None,
+    want: Wanted = (),
 ) -> None:
     """Make ``st.module``'s weights its base plus ``layers`` (the caller is the only
     user): a weight both the old and the new LoRAs touch is written once, from its base
@@ -190,6 +204,14 @@ def _fuse(
     base bytes back. Every weight written has its base copy in ``st.base`` first, so a
     failure half way leaves nothing a later call cannot restore."""
     module = st.module
+    key = _Plan.key(uploads, want) if uploads is not None else None
+    plan = st.plans.get(key) if key is not None else None
+    if plan is not None and plan.valid(st, uploads):
+        # The same LoRAs onto the same weights, from the same base copies, as a fuse that
+        # launched every weight: its launches again, the factors' new copy's address added.
+        plan.run(uploads)
+        _synchronize(plan.devices)
+        return
     wanted: dict[torch.Tensor, list[tuple[LoraLayer, float]]] = {}
     biases: dict[torch.Tensor, list[tuple[LoraLayer, float]]] = {}
     for x, w in layers:
@@ -204,6 +226,10 @@ def _fuse(
     devices = {p.device for p in new}
     host = {d for d in devices if not room(d, sum(p.nbytes for p in new if p.device == d))}
     launches = _Launches(uploads) if uploads is not None else None  # the grouped kernel's
+    alone = 0  # weights written one by one (no plan then)
+    if new or any(p not in wanted and p not in biases for p in st.base):
+        st.generation += 1  # the base copies change below: plans of the old set are void
+        st.plans.clear()
     for param, parts in (*wanted.items(), *biases.items()):
         base = st.base.get(param)
         if base is None:
@@ -215,13 +241,23 @@ def _fuse(
             param.copy_(base)
             for x, w in parts:
                 param.add_(x.bias.to(param.device, param.dtype), alpha=w * x.scale)
+            alone += 1
         elif launches is None or not _join(param, base, parts, uploads, launches):
             _write(param, base, parts, uploads)
+            alone += 1
     if launches is not None:
         launches.finish()
     for param in [p for p in st.base if p not in wanted and p not in biases]:
         param.copy_(st.base.pop(param))
-    for dev in touched:
+    if key is not None and launches is not None and launches.plannable() and not alone:
+        if len(st.plans) >= 64:  # (LoRA sets in turn on one module: the oldest go)
+            st.plans.pop(next(iter(st.plans)))
+        st.plans[key] = _Plan.of(st, uploads, launches)
+    _synchronize(touched)
+
+
+def _synchronize(devices: Iterable[torch.device]) -> None:
+    for dev in devices:
         if dev.type == "cuda":  # whole for callers on other streams; factors free again
             torch.cuda.current_stream(dev).synchronize()
 
@@ -252,6 +288,7 @@ def _join(
     if base.device != dev:  # a base copy in host memory: copied back in, added to
         dst.copy_(base)
         base = dst
+        launches.far = True
     for i, (x, w, (up, a), (down, b)) in enumerate(found):
         key = (i, *max(a, b), str(dst.dtype), str(dev))
         launches.add(key, (base if i == 0 else dst, up, down, w * x.scale, dst, x.rank),
@@ -273,6 +310,12 @@ class _Launches:
         self.last: tuple | None = None
         self.launched = 0
         self.failed = False
+        self.far = False  # a base copy came from host memory (copied in by this fuse)
+        self.record: list[tuple[tuple, Tables]] = []  # what was launched, in order
+
+    def plannable(self) -> bool:
+        """Whether these launches alone wrote the weights, so they can be replayed."""
+        return self.launched > 0 and not self.failed and not self.far and not self.groups
 
     def add(self, key: tuple, item: Item, weight: Any) -> None:
         if not self.failed and self.last not in (None, key) and self.last[0] == 0:
@@ -296,7 +339,8 @@ class _Launches:
         items = [item for item, _ in group]
         try:
             self.uploads.wait(items[0][0].device, key[1:3])
-            if not fused_addmm_group(items):  # (group_fits checked Triton; one dtype a key)
+            tables = group_tables(items)  # (group_fits checked Triton; one dtype a key)
+            if tables is None or not launch_group(tables):
                 raise RuntimeError(f"the grouped kernel refused {len(items)} weights it fits")
         except Exception as e:
             if self.launched:  # weights written by launches: nothing to redo one by one
@@ -313,6 +357,53 @@ class _Launches:
             return
         del self.groups[key]
         self.launched += 1
+        self.record.append((key, tables))
+
+
+@dataclass(eq=False)
+class _Plan:
+    """A fuse's grouped launches kept to be replayed: the same LoRAs (by identity) onto
+    the same weights from the same base copies (one generation of them). The addresses
+    of the factors are kept relative to their LoRA's block copy, which is a new one each
+    switch; everything else (weights, base copies, shapes, scales) stays put."""
+
+    loras: tuple[Any, ...]  # weak references to the Uploads' LoRAs, in order
+    generation: int
+    groups: list[tuple[tuple, Tables, torch.Tensor]]  # key, tables, relative addresses
+    devices: frozenset[torch.device]
+
+    @staticmethod
+    def key(uploads: Uploads, want: Wanted) -> tuple | None:
+        if not uploads.loras or not want:
+            return None
+        return (tuple(id(lora) for lora in uploads.loras), want)
+
+    @classmethod
+    def of(cls, st: _State, uploads: Uploads, launches: _Launches) -> _Plan:
+        groups = []
+        for key, tables in launches.record:
+            device = tables.like.device
+            rel = tables.ptrs.clone()
+            rel[:, 1:3] -= uploads.device_base(device, key[1])
+            groups.append((key, tables, rel))
+        refs = tuple(weakref.ref(lora) for lora in uploads.loras)
+        return cls(refs, st.generation, groups, frozenset(t.like.device for _, t, _ in groups))
+
+    def valid(self, st: _State, uploads: Uploads) -> bool:
+        return (
+            st.generation == self.generation
+            and len(self.loras) == len(uploads.loras)
+            and all(ref() is lora for ref, lora in zip(self.loras, uploads.loras, strict=True))
+        )
+
+    def run(self, uploads: Uploads) -> None:
+        for key, tables, rel in self.groups:
+            device = tables.like.device
+            ptrs = rel.clone()
+            ptrs[:, 1:3] += uploads.device_base(device, key[1])
+            uploads.wait(device, key[1:3])
+            if not launch_group(tables, ptrs):
+                raise RuntimeError("the grouped kernel refused a plan it launched before")
 
 
 def _write(

@@ -17,11 +17,20 @@ says no and the caller uses ``addmm``.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["available", "fused_addmm", "fused_addmm_group", "group_fits"]
+__all__ = [
+    "Tables",
+    "available",
+    "fused_addmm",
+    "fused_addmm_group",
+    "group_fits",
+    "group_tables",
+    "launch_group",
+]
 
 _KERNEL: Any = None
 _GROUP: Any = None
@@ -143,22 +152,27 @@ def available() -> bool:
     return _AVAILABLE
 
 
-def fused_addmm_group(items: list[Item]) -> bool:
-    """``out = base + alpha · up @ down`` for every item in one kernel launch, each
-    weight read once and written once (``base`` may be ``out``). An item is ``(base,
-    up address, down address, alpha, out, rank)``: the factors by device address (views
-    of a LoRA's block copied to the GPU whole), row-major ``(M, rank)`` and ``(rank, N)``
-    in the weights' dtype, every weight accepted by :func:`group_fits`. Returns
-    ``False``, having done nothing, without Triton or with mixed dtypes or devices."""
-    if not items:
-        return True
+@dataclass(eq=False)
+class Tables:
+    """One grouped launch's tables: ``ptrs`` (int64, on the CPU) holds each weight's
+    ``(base, up, down, out)`` addresses, ``dims`` its ``(M, N, K)`` and ``alphas`` its
+    scale (both on the weights' device); ``like`` is a weight (the kernel's dtype and
+    device); ``most`` the tiles of the largest weight; ``bk`` the rank step."""
+
+    ptrs: torch.Tensor
+    dims: torch.Tensor
+    alphas: torch.Tensor
+    like: torch.Tensor
+    most: int
+    bk: int
+
+
+def group_tables(items: list[Item]) -> Tables | None:
+    """The tables of one launch for ``items`` (see :func:`fused_addmm_group`), or
+    ``None`` for items of mixed dtypes or devices."""
     first = items[0][0]
     if any(b.dtype != first.dtype or b.device != first.device for b, *_ in items):
-        return False
-    try:
-        kernel = _group_kernel()
-    except ImportError:
-        return False
+        return None
     ptrs, dims, alphas, most, rank = [], [], [], 0, 1
     for base, up, down, alpha, out, k in items:
         m, n = base.shape
@@ -168,16 +182,48 @@ def fused_addmm_group(items: list[Item]) -> bool:
         most = max(most, -(-m // _BLOCK) * -(-n // _BLOCK))
         rank = max(rank, k)
     dev = first.device
-    # (small tables from pageable memory: copied before the launch, in stream order)
-    p = torch.tensor(ptrs, dtype=torch.int64).to(dev, non_blocking=True)
-    d = torch.tensor(dims, dtype=torch.int32).to(dev, non_blocking=True)
-    a = torch.tensor(alphas, dtype=torch.float32).to(dev, non_blocking=True)
-    bk = max(16, min(64, 1 << (rank - 1).bit_length()))  # tl.dot needs 16 or more
+    return Tables(
+        torch.tensor(ptrs, dtype=torch.int64).view(-1, 4),
+        torch.tensor(dims, dtype=torch.int32).to(dev, non_blocking=True),
+        torch.tensor(alphas, dtype=torch.float32).to(dev, non_blocking=True),
+        first,
+        most,
+        max(16, min(64, 1 << (rank - 1).bit_length())),  # tl.dot needs 16 or more
+    )
+
+
+def launch_group(tables: Tables, ptrs: torch.Tensor | None = None) -> bool:
+    """Launch the grouped kernel over ``tables`` (``ptrs``: other addresses, same
+    shapes: a plan's, for factors copied anew); ``False`` without Triton. The small
+    address table is copied from pageable memory in stream order before the launch."""
+    try:
+        kernel = _group_kernel()
+    except ImportError:
+        return False
+    dev = tables.like.device
+    p = (tables.ptrs if ptrs is None else ptrs).to(dev, non_blocking=True)
+    n = tables.ptrs.shape[0]
     # (a CPU tensor only under Triton's interpreter, TRITON_INTERPRET=1: the CPU tests)
     where = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
     with where:
-        kernel[(most, len(items))](p, d, a, first, BM=_BLOCK, BN=_BLOCK, BK=bk, num_warps=8)
+        kernel[(tables.most, n)](p, tables.dims, tables.alphas, tables.like, BM=_BLOCK,
+                                 BN=_BLOCK, BK=tables.bk, num_warps=8)  # fmt: skip
     return True
+
+
+def fused_addmm_group(items: list[Item]) -> bool:
+    """``out = base + alpha · up @ down`` for every item in one kernel launch, each
+    weight read once and written once (``base`` may be ``out``). An item is ``(base,
+    up address, down address, alpha, out, rank)``: the factors by device address (views
+    of a LoRA's block copied to the GPU whole), row-major ``(M, rank)`` and ``(rank, N)``
+    in the weights' dtype, every weight accepted by :func:`group_fits`. Returns
+    ``False``, having done nothing, without Triton or with mixed dtypes or devices.
+
+    The caller orders the launch after the factors' copies (``Uploads.wait``)."""
+    if not items:
+        return True
+    tables = group_tables(items)
+    return tables is not None and launch_group(tables)
 
 
 def fused_addmm(

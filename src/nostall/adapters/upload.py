@@ -59,6 +59,13 @@ class Uploads:
                 return c.device.data_ptr() + off, (i, bisect.bisect_left(c.ends, off + t.nbytes))
         return None
 
+    def device_base(self, device: torch.device, index: int) -> int:
+        """The device address of LoRA ``index``'s block copy (of :attr:`loras`)."""
+        copies = self._copies.get(device)
+        if copies is None:
+            copies = self._upload(device)
+        return copies[index].device.data_ptr()
+
     def wait(self, device: torch.device, key: tuple[int, int]) -> None:
         """The caller's stream waits until chunk ``key`` (from :meth:`locate`) landed."""
         event = self._copies[device][key[0]].events[key[1]]
