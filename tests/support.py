@@ -5,6 +5,8 @@ One tiny tensor dict covering every dtype and edge shape, reused everywhere.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 
@@ -101,3 +103,9 @@ def skip_unless_read_mode_runs(mode: str, folder) -> None:
     finally:
         buf.close()
         os.unlink(probe)
+
+
+def squashed(text: str) -> str:
+    """``text`` without whitespace or rich's box characters: what a console printed, as
+    it reads whatever the terminal's width and the temporary paths' lengths wrapped."""
+    return re.sub(r"[\s│╭╮╰╯─]+", "", text)

@@ -15,6 +15,8 @@ from nostall.bench.adapters import PARTS, evaluate_targets, write_loras
 from nostall.bench.adapters_controlnet import CONTROLNET, LAYOUTS, write_controlnet
 from nostall.cli import app
 
+from support import squashed
+
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
@@ -197,7 +199,7 @@ def test_a_second_run_refuses_to_overwrite_the_report(run):
     tmp, out, _ = run
     text = out.read_text()
     again = CliRunner().invoke(app, _args(tmp / "work", out))
-    assert again.exit_code == 2 and "already exists" in again.output
+    assert again.exit_code == 2 and "alreadyexists" in squashed(again.output)
     assert out.read_text() == text
 
 

@@ -17,6 +17,8 @@ from typer.testing import CliRunner
 
 from nostall.cli import app, main
 
+from support import squashed
+
 runner = CliRunner()
 
 
@@ -89,9 +91,9 @@ def test_non_finite_weights_are_one_clean_line(tmp_path, monkeypatch, capsys):
         main()
     text = capsys.readouterr()
     assert e.value.code == 2
-    flat = text.out.replace("\n", "")
-    assert "CheckpointError" in flat and str(src) in flat and "'lin.weight'" in flat
-    assert "1 of 8192 values are not finite (1 NaN" in flat
+    flat = squashed(text.out)
+    assert "CheckpointError" in flat and squashed(str(src)) in flat and "'lin.weight'" in flat
+    assert squashed("1 of 8192 values are not finite (1 NaN") in flat
     assert "Traceback" not in text.out + text.err
     assert _left(tmp_path, src.name) == []
 
@@ -116,9 +118,9 @@ def test_a_file_size_limit_is_a_clean_error_and_leaves_nothing(tmp_path, kind):
     )
     proc = _run_cli(["-c", code, "quantize", str(src), str(out)])
     stdout, stderr = proc.communicate(timeout=120)
-    flat = stdout.replace("\n", "")
+    flat = squashed(stdout)
     assert proc.returncode == 2, stdout + stderr
-    assert "CheckpointError" in flat and "File too large (EFBIG)" in flat
+    assert "CheckpointError" in flat and squashed("File too large (EFBIG)") in flat
     assert os.path.basename("model.safetensors" if kind == "folder" else out.name) in flat
     assert "Traceback" not in stdout + stderr
     assert _left(tmp_path, src.name) == []
