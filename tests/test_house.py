@@ -188,3 +188,12 @@ def test_every_latest_record_names_a_real_commit(record):
     assert isinstance(commit, str) and commit, f"{record.name} names no commit"
     found = _git("cat-file", "-e", f"{commit}^{{commit}}")
     assert found.returncode == 0, f"{record.name}: commit {commit!r} is not in this repository"
+
+
+def test_no_two_test_files_share_a_name():
+    # pytest imports test files by basename (rootdir imports, no __init__.py): a second
+    # test_kernels.py stops the whole collection, and did, on the GPU machine only
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {n: p for n, p in seen.items() if len(p) > 1} == {}
