@@ -10,7 +10,7 @@ transformer's blocks that FLUX LoRAs adapt (418 at full size), written as diffus
 * ``peer``: diffusers + PEFT on a pipeline from ``DiffusionPipeline.from_pretrained``
   moved to the device: the first ``load_lora_weights``, the next adapter's, the
   transformer's forward with that adapter active and unfused against the base (1024²
-  at full size, 32² tiny), ``fuse_lora`` / ``unfuse_lora``, then hotswaps
+  at full size; tiny: 256 image tokens), ``fuse_lora`` / ``unfuse_lora``, then hotswaps
   (``load_lora_weights(..., hotswap=True)`` into one adapter, alternating two LoRAs of
   the rank, median) from the files and, its best case, from state dicts held in host
   memory, for ranks 16 and 64 (tiny: 2 and 4).
@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from nostall.bench import adapters_controlnet
-from nostall.bench.record import header
+from nostall.bench.record import check_run, header
 
 __all__ = ["PARTS", "SIZES", "evaluate_targets", "run_adapters_bench", "tables", "write_loras"]
 
@@ -55,8 +55,6 @@ SIZES: dict[str, dict[str, Any]] = {
         "ranks": (16, 64, 128),
         "peer_ranks": (16, 64),
         "switch_rank": 64,  # the rank the switch targets are read at
-        "res": 1024,
-        "text_tokens": 512,
         "dtype": "bfloat16",
     },
     # the middle rank stands for 64: its figures keep the targets' names
@@ -64,8 +62,6 @@ SIZES: dict[str, dict[str, Any]] = {
         "ranks": (2, 4, 8),
         "peer_ranks": (2, 4),
         "switch_rank": 4,
-        "res": 32,
-        "text_tokens": 32,
         "dtype": "float32",
     },
 }
@@ -209,33 +205,12 @@ class _Bench:
             torch.cuda.empty_cache()
 
     def inputs(self, transformer: torch.nn.Module) -> dict[str, Any]:
-        """One denoising step's inputs at the size's resolution: (res / vae scale / 2)²
-        image tokens (1024²: 4096), ``text_tokens`` text tokens, batch 1."""
-        with open(os.path.join(self.flux, "vae", "config.json")) as f:
-            vae_scale = 2 ** (len(json.load(f)["block_out_channels"]) - 1)
-        side = self.cfg["res"] // (vae_scale * 2)  # latents are packed 2x2 into tokens
-        text, cfg, dev = self.cfg["text_tokens"], transformer.config, self.dev
+        """One denoising step's inputs, batch 1, in the transformer's dtype (full: 1024²,
+        4096 image and 512 text tokens; tiny: 256 and 32)."""
+        from nostall.synthetic import step_inputs
+
         dtype = next(transformer.parameters()).dtype
-        g = torch.Generator(device=dev).manual_seed(0)
-
-        def randn(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=g, device=dev).to(dtype)
-
-        img_ids = torch.zeros(side, side, 3, device=dev)
-        img_ids[..., 1] = torch.arange(side, device=dev)[:, None]
-        img_ids[..., 2] = torch.arange(side, device=dev)[None, :]
-        out = {
-            "hidden_states": randn(1, side * side, cfg.in_channels),  # (B, tokens, C)
-            "encoder_hidden_states": randn(1, text, cfg.joint_attention_dim),
-            "pooled_projections": randn(1, cfg.pooled_projection_dim),
-            "timestep": torch.full((1,), 0.5, device=dev, dtype=dtype),
-            "img_ids": img_ids.reshape(-1, 3).to(dtype),
-            "txt_ids": torch.zeros(text, 3, device=dev, dtype=dtype),
-            "return_dict": False,
-        }
-        if cfg.guidance_embeds:
-            out["guidance"] = torch.full((1,), 3.5, device=dev, dtype=dtype)
-        return out
+        return step_inputs(transformer, self.size, self.dev, dtype=dtype)
 
     def forward(self, transformer: torch.nn.Module, inputs: dict, n: int) -> list[float]:
         """Seconds of ``n`` forwards after one warm-up."""
@@ -512,13 +487,7 @@ def run_adapters_bench(
     from nostall.synthetic import write_store
     from nostall.transfer.loader import resolve_device
 
-    if size not in SIZES:
-        raise ArgumentError(f"size={size!r}; choose one of {', '.join(SIZES)}")
-    if repeat < 1:
-        raise ArgumentError(f"repeat={repeat}; time at least one run")
-    unknown = [p for p in parts if p not in PARTS]
-    if unknown:
-        raise ArgumentError(f"parts {unknown}; choose from {', '.join(PARTS)}")
+    check_run(size, SIZES, repeat, parts, PARTS)
     if previous is not None:
         earlier = previous.get("config", {})
         ran = {"size": size, "device": str(resolve_device(device)), "repeat": repeat}

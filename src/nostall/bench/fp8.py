@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from nostall.bench.record import header
+from nostall.bench.record import check_run, header
 from nostall.quant.check import sqnr_db
 from nostall.synthetic.transformer import safetensors_bytes, step_inputs
 
@@ -121,17 +121,10 @@ def run_fp8_bench(
     log: Callable[[str], None] = print,
 ) -> dict:
     """Run the benchmark; return the JSON-able report (see the module docstring)."""
-    from nostall.errors import ArgumentError
     from nostall.quant.modules import fp8_compute
     from nostall.synthetic import write_store
 
-    if size not in SIZES:
-        raise ArgumentError(f"size={size!r}; choose one of {', '.join(SIZES)}")
-    if repeat < 1:
-        raise ArgumentError(f"repeat={repeat}; time at least one run")
-    unknown = [p for p in parts if p not in PARTS]
-    if unknown:
-        raise ArgumentError(f"parts {unknown}; choose from {', '.join(PARTS)}")
+    check_run(size, SIZES, repeat, parts, PARTS)
     dev = torch.device(device)
     store = store or tempfile.mkdtemp(prefix="nostall-fp8-")
     t0 = time.perf_counter()

@@ -54,6 +54,7 @@ __all__ = [
     "COMMIT_ENV",
     "Provenance",
     "check_new_output",
+    "check_run",
     "commit",
     "hardware",
     "header",
@@ -239,6 +240,20 @@ def header(benchmark: str, dev: torch.device | None = None) -> dict[str, Any]:
         **provenance().as_dict(),
         "hardware": hardware(dev),
     }
+
+
+def check_run(size: str, sizes: Any, repeat: int, parts: Any, known: Any) -> None:
+    """A benchmark run's common arguments: ``size`` one of ``sizes``, at least one timed
+    run, every part one of ``known``; else :class:`~nostall.errors.ArgumentError`."""
+    from nostall.errors import ArgumentError
+
+    if size not in sizes:
+        raise ArgumentError(f"size={size!r}; choose one of {', '.join(sizes)}")
+    if repeat < 1:
+        raise ArgumentError(f"repeat={repeat}; time at least one run")
+    unknown = [p for p in parts if p not in known]
+    if unknown:
+        raise ArgumentError(f"parts {unknown}; choose from {', '.join(known)}")
 
 
 def check_new_output(path: str, *, overwrite: bool) -> None:

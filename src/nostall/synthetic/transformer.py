@@ -61,17 +61,18 @@ def write_transformer(folder: str, size: str, device: torch.device, progress=Non
     return folder
 
 
-def step_inputs(module, size: str, dev: torch.device, seed: int = 0) -> dict:
-    """One denoising step's inputs: 1024x1024 (64x64 latent patches = 4096 tokens), 512
-    text tokens (``tiny``: 256 and 32)."""
+def step_inputs(
+    module, size: str, dev: torch.device, seed: int = 0, dtype: torch.dtype = torch.bfloat16
+) -> dict:
+    """One denoising step's inputs in ``dtype``: 1024x1024 (64x64 latent patches = 4096
+    tokens), 512 text tokens (``tiny``: 256 and 32)."""
     cfg = module.config
     tokens, text = (4096, 512) if size == "full" else (256, 32)
     side = int(tokens**0.5)
     g = torch.Generator(device=dev).manual_seed(seed)
-    bf16 = torch.bfloat16
 
     def randn(*shape):
-        return torch.randn(*shape, generator=g, device=dev, dtype=torch.float32).to(bf16)
+        return torch.randn(*shape, generator=g, device=dev, dtype=torch.float32).to(dtype)
 
     img_ids = torch.zeros(side, side, 3, device=dev)
     img_ids[..., 1] = torch.arange(side, device=dev)[:, None]
@@ -80,11 +81,11 @@ def step_inputs(module, size: str, dev: torch.device, seed: int = 0) -> dict:
         "hidden_states": randn(1, tokens, cfg.in_channels),
         "encoder_hidden_states": randn(1, text, cfg.joint_attention_dim),
         "pooled_projections": randn(1, cfg.pooled_projection_dim),
-        "timestep": torch.full((1,), 0.5, device=dev, dtype=bf16),
-        "img_ids": img_ids.reshape(-1, 3).to(bf16),
-        "txt_ids": torch.zeros(text, 3, device=dev, dtype=bf16),
+        "timestep": torch.full((1,), 0.5, device=dev, dtype=dtype),
+        "img_ids": img_ids.reshape(-1, 3).to(dtype),
+        "txt_ids": torch.zeros(text, 3, device=dev, dtype=dtype),
         "return_dict": False,
     }
     if cfg.guidance_embeds:  # FLUX.1-dev's distilled guidance
-        inputs["guidance"] = torch.full((1,), 3.5, device=dev, dtype=bf16)
+        inputs["guidance"] = torch.full((1,), 3.5, device=dev, dtype=dtype)
     return inputs
