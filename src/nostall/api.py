@@ -38,17 +38,28 @@ def default_loader() -> Loader:
         return _default
 
 
+def local_source(path, cache_dir=None):
+    """``path``, with an ``s3://`` URL mirrored first (:func:`nostall.cache.digests.local_source`)."""
+    from nostall.cache.digests import local_source as mirrored
+
+    return mirrored(path, cache_dir)
+
+
 def load_state_dict(
     path: str | os.PathLike,
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     pool: PinnedPool | None = None,
+    cache_dir: str | os.PathLike | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load every tensor of a safetensors checkpoint onto ``device``.
 
     ``path`` is a ``.safetensors`` file, a ``.safetensors.index.json`` of shards, or a
-    diffusers/transformers component folder. Reader threads fill host memory and
+    diffusers/transformers component folder, local or in object storage
+    (``s3://bucket/key``: ranged GETs on many connections straight into host memory,
+    endpoint and credentials from the standard AWS variables; ``cache_dir`` keeps a
+    disk copy for the next process, see :func:`~nostall.cache.digests.local_source`). Reader threads fill host memory and
     each chunk is copied to the GPU as soon as it lands; the tensors are views into
     one flat device allocation per checkpoint. ``dtype`` casts floating tensors
     (fp16/bf16/fp32/fp64; fp8 and integers are kept) on the device after the copy.
@@ -73,6 +84,7 @@ def load_state_dict(
     >>> pool = nostall.PinnedPool(64 << 30)  # doctest: +SKIP
     >>> sd = nostall.load_state_dict("flux/transformer", device="cuda", pool=pool)  # doctest: +SKIP
     """
+    path = local_source(path, cache_dir)
     return default_loader().load(path, device=device, dtype=dtype, pool=pool).tensors
 
 
@@ -85,6 +97,7 @@ def load_model(
     pool: PinnedPool | None = None,
     strict: bool = True,
     variant: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
 ) -> nn.Module:
     """Build a diffusers or transformers module from a component folder, skipping init.
 
@@ -100,9 +113,18 @@ def load_model(
 
     >>> import nostall, torch
     >>> vae = nostall.load_model("sdxl/vae", device="cuda", dtype=torch.float16)  # doctest: +SKIP
+
+    ``path`` may be in object storage (``s3://bucket/sdxl/vae``), as for
+    :func:`load_state_dict`.
     """
     return load_model_with_stats(
-        path, model_cls, device=device, dtype=dtype, pool=pool, strict=strict, variant=variant
+        local_source(path, cache_dir),
+        model_cls,
+        device=device,
+        dtype=dtype,
+        pool=pool,
+        strict=strict,
+        variant=variant,
     )[0]
 
 
@@ -120,6 +142,7 @@ def load_model_with_stats(
     """:func:`load_model`, also returning the phase timings (``build_s`` included)."""
     from nostall.assemble import adopt, build_empty, resolve_model_class, target_dtypes
 
+    path = local_source(path)
     ckpt = resolve(path, variant=variant)
     folder = ckpt.folder or os.path.dirname(os.path.abspath(ckpt.files[0].path))
     if not os.path.isfile(os.path.join(folder, "config.json")):

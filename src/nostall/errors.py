@@ -65,6 +65,7 @@ __all__ = [
     "PoolExhausted",
     "QueueFull",
     "ReadError",
+    "RemoteError",
     "ServeError",
     "ShuttingDown",
     "SinkError",
@@ -193,6 +194,15 @@ class ReadError(NostallError):
     def __init__(self, message: str, *, path: str | os.PathLike | None = None):
         self.path = os.fspath(path) if path is not None else None
         super().__init__(f"{self.path}: {message}" if self.path else message)
+
+
+class RemoteError(ReadError):
+    """Object storage refused or failed a request: no credentials, no such bucket or
+    object, access denied, or a server that stopped answering after the retries.
+
+    ``path`` is the object's URL (``s3://bucket/key``). An object *replaced* while it was
+    read is a :class:`FileChanged` instead, as for a local file.
+    """
 
 
 class PoolExhausted(NostallError):

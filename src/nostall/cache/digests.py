@@ -27,7 +27,7 @@ import time
 from nostall.checkpoint.digest import SCHEME, FileIdentity
 from nostall.errors import InternalError
 
-__all__ = ["DigestIndex", "default_cache_dir"]
+__all__ = ["DigestIndex", "default_cache_dir", "local_source"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,24 @@ def default_cache_dir() -> str:
         return explicit
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "nostall")
+
+
+def local_source(source, cache_dir: str | os.PathLike | bool | None = None):
+    """``source`` as a local path: an ``s3://`` URL is mirrored (:mod:`nostall.io.mirror`)
+    under ``<cache_dir>/remote`` first; anything else is returned as it is.
+
+    A ``cache_dir`` given as a folder is also the disk tier: weight files read from object
+    storage are kept there, complete, for the next process. Without one
+    (``None``/``True``/``False``), the mirror in the default cache folder holds only the
+    small files and the weight files' stubs, and weights are read remotely each time.
+    """
+    if not (isinstance(source, str) and source.startswith("s3://")):
+        return source
+    from nostall.io.mirror import mirror
+
+    keep = cache_dir not in (None, True, False)
+    root = os.fspath(cache_dir) if keep else default_cache_dir()
+    return mirror(source, os.path.join(root, "remote"), keep_weights=keep)
 
 
 class DigestIndex:

@@ -50,7 +50,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nostall.cache.digests import DigestIndex, default_cache_dir
+from nostall.cache.digests import DigestIndex, default_cache_dir, local_source
 from nostall.checkpoint import Checkpoint, resolve
 from nostall.checkpoint.digest import FileIdentity, hash_file_data
 from nostall.checkpoint.files import open_regular, parse_json
@@ -169,7 +169,9 @@ class Store:
     """Pipeline folders by name; entries are scanned on first use and re-checked on each.
 
     Args:
-        models: a folder of pipeline folders, or a mapping ``name → pipeline folder``.
+        models: a folder of pipeline folders, or a mapping ``name → pipeline folder``,
+            or an ``s3://bucket/prefix`` holding pipeline folders (mirrored under
+            ``cache_dir``: :func:`~nostall.cache.digests.local_source`).
         variant: weights variant (``"fp16"``) in every component folder.
         cache_dir: where the digest index lives (default: ``$NOSTALL_CACHE_DIR``,
             ``$XDG_CACHE_HOME/nostall`` or ``~/.cache/nostall``; ``False``: in memory).
@@ -193,6 +195,8 @@ class Store:
     ):
         self.variant = variant
         self.root: str | None = None  # the folder of pipeline folders, when given one
+        self.source = models if isinstance(models, str) else None  # an s3:// URL, kept
+        models = local_source(models, cache_dir)
         if isinstance(models, Mapping):
             self._folders = {str(k): os.fspath(v) for k, v in models.items()}
             for name, folder in self._folders.items():
@@ -585,6 +589,8 @@ def _share_key(models, variant: str | None, cache_dir) -> tuple:
         where: object = tuple(
             sorted((str(k), os.path.realpath(os.fspath(v))) for k, v in models.items())
         )
+    elif isinstance(models, str) and models.startswith("s3://"):
+        where = models
     else:
         where = os.path.realpath(os.fspath(models))
     return (where, variant, _index_key(cache_dir))

@@ -20,8 +20,15 @@ from nostall.checkpoint.digest import FileIdentity
 from nostall.checkpoint.dtypes import BITS, nbytes_of
 from nostall.checkpoint.files import open_regular, parse_json
 from nostall.errors import CheckpointError, ReadError
+from nostall.io.base import REMOTE_SUFFIX
 
-__all__ = ["MAX_HEADER_BYTES", "FileIndex", "TensorEntry", "parse_header", "read_header"]
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "FileIndex",
+    "TensorEntry",
+    "parse_header",
+    "read_header",
+]
 
 # safetensors refuses headers above 100 MB; a larger length is a corrupt file,
 # and refusing it keeps a bad length from allocating gigabytes.
@@ -106,6 +113,9 @@ def read_header(path: str | os.PathLike) -> FileIndex:
     ('proj.weight', 23782131712)
     """
     path = os.fspath(path)
+    stub = path + REMOTE_SUFFIX
+    if path.endswith(".safetensors") and not os.path.exists(path) and os.path.isfile(stub):
+        return _read_stub_header(stub)
     try:
         with open_regular(path, what="safetensors file") as f:
             st = os.fstat(f.fileno())
@@ -131,6 +141,32 @@ def read_header(path: str | os.PathLike) -> FileIndex:
         raise CheckpointError(f"header is cut short: read {len(raw)} of {n} bytes", path=path)
     return dataclasses.replace(
         parse_header(raw, file_size=size, path=path), identity=FileIdentity.of(st)
+    )
+
+
+def _read_stub_header(stub: str) -> FileIndex:
+    """The FileIndex of a remote weight file, from its mirror stub (a JSON document whose
+    ``head`` is the object's first ``8 + header length`` bytes, hex)."""
+    try:
+        with open_regular(stub, what="remote stub") as f:
+            st = os.fstat(f.fileno())
+            doc = parse_json(
+                f.read(),
+                what="remote stub",
+                fix="open the s3:// URL again to rebuild the mirror",
+                path=stub,
+            )
+        head = bytes.fromhex(doc["head"])
+        size = int(doc["size"])
+    except OSError as e:
+        raise ReadError(f"cannot read the remote stub: {e.strerror or e}", path=stub) from e
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"remote stub lacks a field ({e}); open the s3:// URL again to rebuild the mirror",
+            path=stub,
+        ) from e
+    return dataclasses.replace(
+        parse_header(head[8:], file_size=size, path=stub), identity=FileIdentity.of(st)
     )
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from nostall.checkpoint.files import open_regular, parse_json
 from nostall.checkpoint.header import FileIndex, TensorEntry, read_header
 from nostall.errors import ArgumentError, CheckpointError, ReadError
+from nostall.io.base import REMOTE_SUFFIX
 
 __all__ = ["Checkpoint", "resolve"]
 
@@ -107,7 +108,7 @@ def resolve(
         )
     if os.path.isdir(source):
         return _resolve_folder(source, variant, allow_outside)
-    if not os.path.exists(source):
+    if not _present(source):
         raise CheckpointError(
             "no such file or folder; pass a .safetensors file, a .safetensors.index.json "
             "or a folder with config.json",
@@ -128,7 +129,7 @@ def _resolve_folder(folder: str, variant: str | None, allow_outside: bool) -> Ch
             if os.path.exists(index):
                 return Checkpoint(folder, _resolve_index(index, allow_outside), folder=folder)
         single = os.path.join(folder, stem + suffix)
-        if os.path.exists(single):
+        if _present(single):
             return Checkpoint(folder, (read_header(single),), folder=folder)
     try:
         listing = os.listdir(folder)
@@ -137,7 +138,15 @@ def _resolve_folder(folder: str, variant: str | None, allow_outside: bool) -> Ch
             f"cannot list the folder: {e.strerror or e}; check that this process may read it",
             path=folder,
         ) from e
-    others = sorted(n for n in listing if n.endswith(".safetensors"))
+    # A mirror's stub (<name>.safetensors.remote) stands for a weight file not on disk.
+    others = sorted(
+        {n.removesuffix(REMOTE_SUFFIX) for n in listing if n.endswith(".safetensors")}
+        | {
+            n.removesuffix(REMOTE_SUFFIX)
+            for n in listing
+            if n.endswith(".safetensors" + REMOTE_SUFFIX)
+        }
+    )
     if len(others) == 1 and variant is None:
         return Checkpoint(folder, (read_header(os.path.join(folder, others[0])),), folder=folder)
     wanted = " or ".join(s + suffix for s in _STEMS)
@@ -181,7 +190,7 @@ def _resolve_index(index_path: str, allow_outside: bool) -> tuple[FileIndex, ...
             "shards beside the index, or pass allow_outside=True if you trust it",
             path=index_path,
         )
-    missing = [s for s in shard_names if not os.path.exists(os.path.join(folder, s))]
+    missing = [s for s in shard_names if not _present(os.path.join(folder, s))]
     if missing:
         raise CheckpointError(
             f"{len(missing)} shard file(s) named in the index are missing from {folder or '.'}: "
@@ -209,6 +218,13 @@ def _resolve_index(index_path: str, allow_outside: bool) -> tuple[FileIndex, ...
                 )
             seen[name] = shard
     return files
+
+
+def _present(path: str) -> bool:
+    """The file is there, or a mirror's stub stands for it (its bytes are remote)."""
+    return os.path.exists(path) or (
+        path.endswith(".safetensors") and os.path.isfile(path + REMOTE_SUFFIX)
+    )
 
 
 def _is_outside(shard: str) -> bool:

@@ -21,6 +21,7 @@ from nostall.errors import ArgumentError, CheckpointError, ReadError, Unsupporte
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
+    "REMOTE_SUFFIX",
     "ReadBackend",
     "UnsupportedBackend",
     "require_regular",
@@ -29,6 +30,11 @@ __all__ = [
 # MuseAI's figure: 2 MiB requests need 1/16 of the syscalls of 128 KiB ones, and
 # sequential 2 MiB reads keep a disk's queue full without hurting latency.
 DEFAULT_BLOCK_BYTES = 2 << 20
+
+# A mirror of object storage (nostall.io.mirror) leaves ``<file>.safetensors.remote``
+# where a weight file it has not downloaded would be: the object's URL, size, ETag and
+# header. A checkpoint's FileIndex then names the stub; its data is read remotely.
+REMOTE_SUFFIX = ".remote"
 
 log = logging.getLogger(__name__)
 

@@ -145,6 +145,8 @@ class Loader:
         strict: refuse to degrade instead: a refused ``"direct"`` raises
             :class:`~nostall.DegradedError` (nothing is loaded).
         ring_slots, ring_slot_bytes: the pinned staging ring for loads without a pool.
+        connections: reader threads for checkpoints in object storage (one connection
+            each, ranged GETs of 8 MiB); made on the first remote load.
 
     >>> with Loader(threads=2) as loader:  # doctest: +SKIP
     ...     result = loader.load("model.safetensors", device="cuda")
@@ -161,7 +163,10 @@ class Loader:
         ring_slots: int | None = None,
         ring_slot_bytes: int = 32 << 20,
         strict: bool = False,
+        connections: int = 32,
     ):
+        if isinstance(connections, bool) or not isinstance(connections, int) or connections < 1:
+            raise ArgumentError(f"connections={connections!r} must be a positive integer")
         for name, value in (("chunk_bytes", chunk_bytes), ("ring_slot_bytes", ring_slot_bytes)):
             if (
                 isinstance(value, bool)
@@ -183,6 +188,8 @@ class Loader:
         self.read_mode = read_mode
         self.strict = strict
         self._reader: ParallelReader | None = ParallelReader(threads=threads)
+        self.connections = connections
+        self._remote: ParallelReader | None = None
         # Enough slots that every reader has one while the copies of others drain.
         self.ring_slots = ring_slots if ring_slots is not None else self._reader.threads + 4
         self.ring_slot_bytes = ring_slot_bytes
@@ -420,7 +427,12 @@ class Loader:
             if moves is not None:
                 moves.begin(after)
             t0 = time.perf_counter()
-            handle = self._reader.submit(requests)
+            reader = self._reader
+            if any(b.name == "s3" for b in files):
+                if self._remote is None:
+                    self._remote = ParallelReader(threads=self.connections)
+                reader = self._remote
+            handle = reader.submit(requests)
             # Views need the buffer, not its bytes: build them while the reads run.
             tensors = plan.views(moves.flat) if moves is not None and views else {}
             for i, a, b in handle.completed():
@@ -477,6 +489,9 @@ class Loader:
             if self._reader is not None:
                 self._reader.close()
                 self._reader = None
+            if self._remote is not None:
+                self._remote.close()
+                self._remote = None
             if self._ring is not None:
                 self._ring.close()
                 self._ring = None
