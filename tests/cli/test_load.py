@@ -51,3 +51,19 @@ def test_a_pool_beyond_the_machine_is_a_one_line_error(ckpt_file):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "--pool-gb" in plain(proc.stdout + proc.stderr)
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_load_reads_a_bucket_and_keeps_the_disk_tier(ckpt_file, s3_env, tmp_path):
+    import os
+    import shutil
+
+    os.makedirs(f"{s3_env.root}/cli", exist_ok=True)
+    shutil.copyfile(ckpt_file, f"{s3_env.root}/cli/model.safetensors")
+    args = ["load", "s3://cli/model.safetensors", "--device", "cpu", "--json"]
+    result = runner.invoke(app, [*args, "--cache-dir", str(tmp_path / "c"), "--connections", "4"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)[0]["read_mode"] == "s3"
+    assert next((tmp_path / "c").rglob("model.safetensors")).read_bytes() == ckpt_file.read_bytes()
+    missing = runner.invoke(app, ["load", "s3://cli/absent.safetensors", "--device", "cpu"])
+    assert missing.exit_code != 0
+    assert "no objects under absent.safetensors/ in bucket 'cli'" in str(missing.exception)

@@ -28,7 +28,9 @@ def _phase_table(title: str, rows: list[tuple[str, ...]]) -> Table:
 @app.command()
 def load(
     path: str = typer.Argument(
-        ..., help="A .safetensors file, a shard index, or a component folder."
+        ...,
+        help="A .safetensors file, a shard index, or a component folder; local or "
+        "s3://bucket/key (endpoint and credentials from the AWS variables).",
     ),
     device: str = device_option(),
     dtype: str = typer.Option(None, help="Cast floating tensors on the device: bf16, fp16, fp32."),
@@ -44,15 +46,23 @@ def load(
         None, callback=in_range(1), help="Reader threads (default: CPUs, at most 16)."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the phase timings as JSON."),
+    cache_dir: str = typer.Option(
+        None, help="For s3:// paths: keep the weights here too (the disk tier)."
+    ),
+    connections: int = typer.Option(
+        32, callback=in_range(1), help="For s3:// paths: parallel ranged GETs."
+    ),
 ) -> None:
     """Load a checkpoint and print the read / H2D / build phases and GB/s."""
-    from nostall.api import load_model_with_stats
+    from nostall.api import load_model_with_stats, local_source
     from nostall.memory.pool import PinnedPool
     from nostall.transfer.loader import Loader
 
     dt = parse_dtype(dtype)
     with usage_errors("--read-mode"):
-        loader = Loader(threads=threads, read_mode=read_mode)
+        loader = Loader(threads=threads, read_mode=read_mode, connections=connections)
+    with usage_errors("PATH"), console.status(f"reading the headers of {path}…"):
+        path = local_source(path, cache_dir)
     rows, records = [], []
     with loader:
         pool = None

@@ -44,7 +44,9 @@ def _http_url(value: str | None) -> str | None:
 
 @app.command()
 def serve(
-    models: str = typer.Option(..., "--models", help="Folder of diffusers pipeline folders."),
+    models: str = typer.Option(
+        ..., "--models", help="Folder of diffusers pipeline folders, or s3://bucket/prefix."
+    ),
     device: str = device_option("cuda[:N] or cpu (default: cuda if present)."),
     host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default)."),
     port: int = _port(8000),
@@ -171,7 +173,9 @@ def serve(
 
 @app.command()
 def fleet(
-    models: str = typer.Option(..., "--models", help="Folder of diffusers pipeline folders."),
+    models: str = typer.Option(
+        ..., "--models", help="Folder of diffusers pipeline folders, or s3://bucket/prefix."
+    ),
     replicas: int = typer.Option(..., "--replicas", help="Workers, one per GPU."),
     device: str = typer.Option("cuda", help="cuda (one GPU per worker) or cpu."),
     host: str = typer.Option("127.0.0.1", help="Address of Ray Serve's HTTP proxy."),
@@ -229,7 +233,9 @@ def fleet(
 
 @app.command("embed-server")
 def embed_server(
-    models: str = typer.Option(..., "--models", help="Folder of diffusers pipeline folders."),
+    models: str = typer.Option(
+        ..., "--models", help="Folder of diffusers pipeline folders, or s3://bucket/prefix."
+    ),
     device: str = device_option("cuda[:N] or cpu (default: cuda if present)."),
     host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default)."),
     port: int = _port(8001),

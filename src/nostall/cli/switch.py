@@ -22,7 +22,9 @@ __all__ = ["index", "switch"]
 
 @app.command()
 def index(
-    models: str = typer.Argument(..., help="A folder of diffusers pipeline folders."),
+    models: str = typer.Argument(
+        ..., help="A folder of diffusers pipeline folders, or s3://bucket/prefix."
+    ),
     name: list[str] = typer.Option(  # noqa: B008
         None, "--name", help="Pipelines to hash (repeatable; default: all)."
     ),
@@ -72,7 +74,9 @@ def switch(
     names: list[str] = typer.Argument(  # noqa: B008
         ..., help="Pipelines to switch to, in order (folder names in --models)."
     ),
-    models: str = typer.Option(..., "--models", help="A folder of diffusers pipeline folders."),
+    models: str = typer.Option(
+        ..., "--models", help="A folder of diffusers pipeline folders, or s3://bucket/prefix."
+    ),
     device: str = device_option(),
     gpu_gb: float = typer.Option(None, help="Device tier budget in GB (default: 80% of free)."),
     host_gb: float = typer.Option(None, help="Pinned host tier budget in GB (default: half RAM)."),
