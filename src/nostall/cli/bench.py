@@ -25,6 +25,7 @@ __all__ = [
     "bench_decode",
     "bench_fp8",
     "bench_load",
+    "bench_remote",
     "bench_serve",
     "bench_switch",
 ]
@@ -473,3 +474,53 @@ def bench_adapters(
     write_report(report, out, overwrite=True)
     _show(bench.tables(report))
     console.print(f"report written to {out}")
+
+
+@bench_app.command("remote")
+def bench_remote(
+    size: str = typer.Option(
+        "full",
+        help="full (the FLUX.1-dev transformer, 23.8 GB), small (~0.3 GB) or tiny (for tests).",
+    ),
+    device: str = device_option(_DEVICE),
+    part: list[str] = typer.Option(  # noqa: B008
+        None, "--part", help="remote (S3 against the peers), shared (two processes; repeatable)."
+    ),
+    connections: int = typer.Option(
+        64, callback=in_range(1), help="nostall's parallel ranged GETs."
+    ),
+    bwlimit: str = typer.Option(
+        "50M",
+        help="The throttled link: each connection's bandwidth (rclone units, 50M = 50 MiB/s).",
+    ),
+    single_cap_s: float = typer.Option(
+        10.0, callback=in_range(0.1), help="Seconds the one-stream peer runs (a steady rate)."
+    ),
+    work: str = typer.Option(
+        None, help="Folder for the bucket (kept, and reused by the next run; default temporary)."
+    ),
+    out: str = typer.Option(
+        f"{BENCH_OUT}/remote.json", help="JSON report path (recorded results: docs/bench/)."
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing report."),
+) -> None:
+    """A FLUX transformer from a real S3 server (rclone, loopback, with and without a
+    per-connection limit) to the device: nostall against one GET stream and boto3's
+    download_file; then the shared host tier, a second process's switch."""
+    from nostall.bench import remote as bench
+
+    check_choices([size], bench.SIZES, "--size")
+    parts = check_choices(part or bench.PARTS, bench.PARTS, "--part")
+    check_output(out, hint="--out", overwrite=overwrite)
+    with usage_errors():
+        report = bench.run_remote_bench(
+            size=size,
+            device=device,
+            parts=parts,
+            connections=connections,
+            bwlimit=bwlimit,
+            single_cap_s=single_cap_s,
+            work=work,
+            log=_log,
+        )
+    _finish(report, bench.tables(report), out, overwrite=overwrite)

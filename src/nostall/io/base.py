@@ -21,6 +21,7 @@ from nostall.errors import ArgumentError, CheckpointError, ReadError, Unsupporte
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
+    "REMOTE_RANGE_BYTES",
     "REMOTE_SUFFIX",
     "ReadBackend",
     "UnsupportedBackend",
@@ -35,6 +36,10 @@ DEFAULT_BLOCK_BYTES = 2 << 20
 # where a weight file it has not downloaded would be: the object's URL, size, ETag and
 # header. A checkpoint's FileIndex then names the stub; its data is read remotely.
 REMOTE_SUFFIX = ".remote"
+# One ranged GET from object storage: large enough that a request's overhead (signing,
+# a round trip) is small against its bytes, small enough that 64 connections keep
+# 512 MiB in flight and even a small checkpoint is spread over many of them.
+REMOTE_RANGE_BYTES = 8 << 20
 
 log = logging.getLogger(__name__)
 

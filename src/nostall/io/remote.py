@@ -37,7 +37,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from nostall.errors import ArgumentError, CheckpointError, FileChanged, RemoteError
-from nostall.io.base import REMOTE_SUFFIX, ReadBackend
+from nostall.io.base import REMOTE_RANGE_BYTES, REMOTE_SUFFIX, ReadBackend
 
 __all__ = [
     "RANGE_BYTES",
@@ -52,9 +52,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# 8 MiB ranges: large enough that a request's overhead (signing, one round trip) is
-# small against its bytes, small enough that 64 connections keep 512 MiB in flight.
-RANGE_BYTES = 8 << 20
+RANGE_BYTES = REMOTE_RANGE_BYTES
 # Retried: the server or the network, never the request itself.
 _RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 

@@ -35,7 +35,7 @@ from nostall.checkpoint import Checkpoint, FileIndex, resolve
 from nostall.checkpoint.digest import DataHasher, FileIdentity
 from nostall.errors import ArgumentError, ClosedError, DeviceError, FileChanged, ReadError
 from nostall.io.backends import open_backend
-from nostall.io.base import DEFAULT_BLOCK_BYTES, ReadBackend
+from nostall.io.base import DEFAULT_BLOCK_BYTES, REMOTE_RANGE_BYTES, REMOTE_SUFFIX, ReadBackend
 from nostall.io.reader import ParallelReader, ReadRequest
 from nostall.memory.host import PAGE, HostArena, release_pages, round_up
 from nostall.memory.pool import Block, PinnedPool
@@ -306,7 +306,7 @@ class Loader:
             if hit:
                 out = self._copy_block(plan, block, moves, after, views)
             else:
-                route = _BlockRoute(plan, block, self.chunk_bytes)
+                route = _BlockRoute(plan, block, self._chunk(plan))
                 out = self._read(plan, route, moves, after, views, digest)
                 out.path = "pool"
             ok = True
@@ -357,7 +357,7 @@ class Loader:
             moves, _ = self._transfer(plan, torch.device("cpu"), target)
             arena = HostArena(plan.host_bytes, segment_bytes=round_up(plan.host_bytes, PAGE))
             try:
-                route = _ArenaRoute(plan, arena, self.chunk_bytes, copies=True)
+                route = _ArenaRoute(plan, arena, self._chunk(plan), copies=True)
                 out = self._read(plan, route, moves, None, target[2], digest)
             finally:
                 arena.close()
@@ -365,7 +365,9 @@ class Loader:
             return out
         nbytes = plan.host_bytes
         arena = HostArena(nbytes, segment_bytes=round_up(nbytes, PAGE))
-        out = self._read(plan, _ArenaRoute(plan, arena, self.chunk_bytes), None, None, True, digest)
+        out = self._read(
+            plan, _ArenaRoute(plan, arena, self._chunk(plan)), None, None, True, digest
+        )
         host = arena.tensor
         arena.close()  # nothing is registered; the tensors keep the mapping alive
         tensors = plan.source_views(host)
@@ -455,6 +457,14 @@ class Loader:
         finally:
             for r in files:
                 r.close()
+
+    def _chunk(self, plan: LoadPlan) -> int:
+        """Bytes per read request: ``chunk_bytes``; for a checkpoint in object storage one
+        ranged GET (8 MiB), so that every connection has a request of its own even for a
+        small checkpoint, and each lands (and is copied) as soon as it arrives."""
+        if any(f.path.endswith(REMOTE_SUFFIX) for f in plan.checkpoint.files):
+            return min(self.chunk_bytes, REMOTE_RANGE_BYTES)
+        return self.chunk_bytes
 
     # ---- owned resources ---------------------------------------------------------
 
