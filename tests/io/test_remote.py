@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import save_file
 
 import nostall
-from nostall.bench.s3server import S3Server
 from nostall.errors import ArgumentError, CheckpointError, FileChanged, RemoteError
 from nostall.io.mirror import mirror
 from nostall.io.remote import S3, ObjectRef, split_url
+from nostall.synthetic.s3server import S3Server
 
 from support import assert_same, make_sharded, sample_tensors
 

@@ -197,3 +197,6 @@ def test_workers_of_one_host_share_its_memory_by_default():
     assert given == {"host_budget": 5}  # what the user gives wins
     small = worker_budgets(2, gpu=True, options={}, limit=256 * gb, store_bytes=3 * gb)
     assert small == {"host_budget": 3 * gb}  # no more than the store needs
+    # One shared tier is the host's: not divided by the workers that map it.
+    shared = worker_budgets(4, gpu=True, options={"host_tier": "shared:f"}, limit=256 * gb)
+    assert shared == {"host_budget": 128 * gb, "host_tier": "shared:f"}

@@ -1,7 +1,7 @@
 """``nostall bench remote``: a FLUX transformer from object storage to the GPU, nostall
 against the ways users download it today, and the shared host tier between processes.
 
-A real S3 server runs on loopback (:class:`~nostall.bench.s3server.S3Server`, rclone's
+A real S3 server runs on loopback (:class:`~nostall.synthetic.s3server.S3Server`, rclone's
 ``serve s3`` over a local folder) twice over the same bucket: as it is (``loopback``),
 and with every connection limited to ``bwlimit`` (``throttled``: a stand-in for a remote
 link, where one connection's speed is the limit, as from S3 to one host). The object is
@@ -327,7 +327,7 @@ def run_remote_bench(
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run the parts; return the report (``targets`` included)."""
-    from nostall.bench.s3server import S3Server
+    from nostall.synthetic.s3server import S3Server
     from nostall.transfer.loader import resolve_device
 
     check_run(size, SIZES, 1, parts, PARTS)

@@ -46,7 +46,7 @@ from nostall.adapters.lora import ROLES as LORA_ROLES
 from nostall.cache import placement
 from nostall.cache.device import DeviceTier, Slot
 from nostall.cache.holds import Hold, Holds
-from nostall.cache.host import HostTier, cpu_tier_bytes, store_bytes
+from nostall.cache.host import HostTier, cpu_tier_bytes, parse_host_tier, store_bytes
 from nostall.cache.modules import Instance, Instances
 from nostall.cache.moves import Move, issue
 from nostall.cache.pipelines import Pipelines
@@ -104,7 +104,14 @@ class ModelCache:
             quarter of the host budget).
         cache_dir: where the digest index lives (see :class:`~nostall.cache.Store`;
             ``False`` keeps digests in memory). Components are identified by a digest of
-            every byte, computed as they are first read and remembered there.
+            every byte, computed as they are first read and remembered there. For a store
+            in object storage (``models="s3://bucket/prefix"``), a folder given here is
+            also the disk tier: weight files read from the bucket are kept there.
+        host_tier: ``"private"`` (default: this process's own pinned pool) or
+            ``"shared:NAME"``: the host's one tier of that name, which every worker
+            process of the host that names it maps (:class:`~nostall.memory.SharedPool`):
+            a component one worker read is a memory hit for all, and ``host_budget`` is
+            the host's (the first process sizes it).
 
     >>> cache = nostall.ModelCache("/models", device="cuda", gpu_budget=36 << 30)  # doctest: +SKIP
     >>> with cache.use("flux-dev") as pipe:  # doctest: +SKIP
@@ -127,8 +134,10 @@ class ModelCache:
         cache_dir: str | os.PathLike | bool | None = None,
         activation_reserve: int | None = None,
         lora_budget: int | None = None,
+        host_tier: str | None = None,
     ):
         self.device = resolve_device(device)
+        shared = parse_host_tier(host_tier)
         if not 0.0 < watermark <= 1.0:
             raise ArgumentError(f"watermark={watermark!r} must be in (0, 1]")
         for name, value, least in (
@@ -166,7 +175,7 @@ class ModelCache:
                 f"lora_budget={lora_budget} leaves nothing of host_budget={host} for the "
                 "pipelines' components; give a larger host budget or a smaller LoRA budget"
             )
-        self._host = HostTier(host - lora_budget, self.device)
+        self._host = HostTier(host - lora_budget, self.device, shared=shared)
         self.activation_reserve = activation_reserve
         self._own_loader = loader is None
         self._loader = loader or Loader()
@@ -559,6 +568,7 @@ class ModelCache:
         self._host.begin()
         missing = []
         for c in comps:
+            self._host.bind(c)
             prior = self._host.request(c.digest)
             slot = self._tier.slots.get(c.digest)
             if slot is not None and slot.ready:
@@ -593,7 +603,17 @@ class ModelCache:
                 tier = "host" if self._host.has(c.digest) else "disk"
                 build_s += inst.build_s
                 moves.append(
-                    Move(c, inst, slot, after, tier, tier == "host", in_place, build_s=build_s)
+                    Move(
+                        c,
+                        inst,
+                        slot,
+                        after,
+                        tier,
+                        tier == "host",
+                        in_place,
+                        build_s=build_s,
+                        key=self._host.key(c.digest),
+                    )
                 )
                 inst.build_s = 0.0  # reported once, by the switch that built it
         except BudgetExceeded:
@@ -689,7 +709,8 @@ class ModelCache:
         if key == c.digest:
             return
         with self._lock:
-            self._host.evict(c.digest)
+            if self._host.shared is None:  # a shared tier's copy may serve other processes
+                self._host.evict(c.digest)
             slot = self._tier.slots.get(c.digest)
             if slot is not None:
                 slot.last_used = 0

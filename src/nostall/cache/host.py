@@ -17,16 +17,17 @@ to the store (:meth:`nostall.ModelCache`), not to the machine alone.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from nostall.cache.placement import Extent, Requests, admit
-from nostall.cache.store import Store
-from nostall.errors import NostallError
+from nostall.cache.store import ComponentEntry, Store, files_key
+from nostall.errors import ArgumentError, NostallError
 from nostall.memory.pool import PinnedPool, size_class
 from nostall.transfer.plan import LoadPlan
 
-__all__ = ["HostTier", "cpu_tier_bytes", "store_bytes"]
+__all__ = ["HostTier", "cpu_tier_bytes", "parse_host_tier", "store_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +57,46 @@ def cpu_tier_bytes(store: Store, cap: int) -> int:
     return min(cap, 2 * store_bytes(store, cap) + (64 << 20))
 
 
-class HostTier:
-    """A pool of ``budget`` bytes with frequency-based admission; the owner locks."""
+def parse_host_tier(host_tier: str | None) -> str | None:
+    """``None``/``"private"`` → ``None`` (this process's own pool); ``"shared:NAME"`` →
+    ``NAME`` (the host's shared tier of that name); anything else an ArgumentError."""
+    if host_tier is None or host_tier == "private":
+        return None
+    if isinstance(host_tier, str) and host_tier.startswith("shared:") and host_tier[7:]:
+        return host_tier[7:]
+    raise ArgumentError(
+        f"host_tier={host_tier!r}; give 'private' (this process's own pinned pool) or "
+        "'shared:NAME' (one tier for every process of the host that names it)",
+        field="host_tier",
+    )
 
-    def __init__(self, budget: int, device: torch.device):
+
+class HostTier:
+    """A pool of ``budget`` bytes with frequency-based admission; the owner locks.
+
+    With ``shared`` (a name), the pool is the host's :class:`~nostall.memory.SharedPool`
+    of that name (in ``$NOSTALL_SHM_DIR``, default ``/dev/shm``): a component any worker
+    of the host read is a memory hit for all. Its admission is then the pool's own: every
+    component that fits is cached, evicting what no process holds, least recently used
+    first across the processes (one process's request counts say little about the
+    others'), and ``budget`` is the host's, not this process's.
+    """
+
+    def __init__(self, budget: int, device: torch.device, shared: str | None = None):
         cuda = device.type == "cuda"
-        self.pool = PinnedPool(budget, evict=False, pin=cuda, device=device if cuda else None)
+        self.shared = shared
+        if shared is None:
+            self.pool = PinnedPool(budget, evict=False, pin=cuda, device=device if cuda else None)
+        else:
+            from nostall.memory.shared import SharedPool
+
+            root = os.environ.get("NOSTALL_SHM_DIR") or "/dev/shm"
+            self.pool = SharedPool(
+                shared, budget, device=device if cuda else None, root=root, evict=True
+            )
         self.budget = self.pool.capacity
+        # Shared tier: the pool's key of each component digest seen (files_key).
+        self._keys: dict[str, str] = {}
         self.requests = Requests(AGE_EVERY)
         # Blocks promised to the switch being planned, not allocated yet: (offset, size).
         self._reserved: list[tuple[int, int]] = []
@@ -71,20 +105,36 @@ class HostTier:
         """A new switch is being planned: nothing of it is reserved yet."""
         self._reserved = []
 
+    def bind(self, c: ComponentEntry) -> None:
+        """Learn the pool key of ``c``: its digest, or in a shared tier its files' key (the
+        same in every process, whatever each one's digest index knows)."""
+        if self.shared is not None:
+            self._keys[c.digest] = files_key(c)
+
+    def key(self, digest: str) -> str:
+        """The pool key ``digest`` is cached under."""
+        return self._keys.get(digest, digest)
+
     def request(self, digest: str) -> int:
         """Count a request for ``digest``; return its count *before* this request."""
         return self.requests.request(digest)
 
     def resident(self) -> set[str]:
-        return set(self.pool.cached_keys())
+        """The component digests whose bytes the tier holds."""
+        keys = set(self.pool.cached_keys())
+        if self.shared is None:
+            return keys
+        return {d for d, k in self._keys.items() if k in keys}
 
     def has(self, digest: str) -> bool:
-        return digest in self.resident()
+        return self.key(digest) in set(self.pool.cached_keys())
 
     def admit(self, digest: str, host_bytes: int, prior: int, keep: set[str]) -> bool:
         """Whether ``digest`` (a block of ``host_bytes``, the loader's host layout) may be
         cached; residents are evicted for it only when it then certainly fits."""
         need = size_class(host_bytes)
+        if self.shared is not None:
+            return need <= self.budget  # the shared pool evicts for it when it allocates
         residents = self._residents()
         if residents is None:
             return False
@@ -131,10 +181,10 @@ class HostTier:
         return out if held + stats.free == self.budget else None
 
     def evict(self, digest: str) -> int:
-        return self.pool.evict(digest)
+        return self.pool.evict(self.key(digest))
 
     def evict_all(self, keep: set[str] = frozenset()) -> int:
-        return sum(self.pool.evict(d) for d in self.resident() - set(keep))
+        return sum(self.evict(d) for d in self.resident() - set(keep))
 
     def close(self) -> None:
         self.pool.close()

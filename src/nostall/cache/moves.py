@@ -36,6 +36,7 @@ class Move:
     in_place: bool  # into an idle instance of the same architecture, at its offset
     pending: Any = None  # the loader's PendingLoad once issued
     build_s: float = 0.0
+    key: str | None = None  # the host tier's key, when not the digest (a shared tier)
 
     def row(self) -> ComponentSwitch:
         """This move's line of the switch report (after :func:`issue`)."""
@@ -77,7 +78,7 @@ def issue(
         kwargs = {
             "device": device,
             "dtype": mv.inst.targets,
-            "key": mv.c.digest,
+            "key": mv.key or mv.c.digest,
             "into": tier.view(mv.slot),
             "after": after if cuda else None,
             # Back at the offset its module views: no new views needed.

@@ -548,12 +548,7 @@ class Store:
         else:
             # Not known yet: the files' identities (a symlinked copy is the same file).
             content = None
-            ident = hashlib.sha256(f"files|{library}.{cls}\n".encode())
-            ident.update(config_key)
-            for f in ckpt.files:
-                i = f.identity or FileIdentity.stat(f.path)
-                ident.update(f"{i.key()}\n".encode())
-            key = "f" + ident.hexdigest()[:31]
+            key = _files_key(library, cls, config_key, ckpt)
         return ComponentEntry(
             role,
             library,
@@ -607,6 +602,26 @@ def _content_digest(library: str, cls: str, config_key: bytes, ckpt: Checkpoint,
             h.update(f"{e.name}|{e.dtype}|{list(e.shape)}|{e.begin}:{e.end}\n".encode())
         h.update(f"data|{d}\n".encode())
     return h.hexdigest()[:32]
+
+
+def _files_key(library: str, cls: str, config_key: bytes, ckpt: Checkpoint) -> str:
+    """A key from the files' identities (a symlinked copy is the same file): the same in
+    every process of the host while the files are unchanged."""
+    ident = hashlib.sha256(f"files|{library}.{cls}\n".encode())
+    ident.update(config_key)
+    for f in ckpt.files:
+        i = f.identity or FileIdentity.stat(f.path)
+        ident.update(f"{i.key()}\n".encode())
+    return "f" + ident.hexdigest()[:31]
+
+
+def files_key(c: ComponentEntry) -> str:
+    """``c``'s key by its files' identities, whether or not its content digest is known:
+    what a host tier shared between processes files it under (their digest indexes may
+    know the content at different times; the files are the same)."""
+    if c.checkpoint is None:
+        return c.digest
+    return _files_key(c.library, c.class_name, c.config_key, c.checkpoint)
 
 
 def _unchanged(entry: PipelineEntry) -> bool:

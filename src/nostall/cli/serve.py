@@ -59,6 +59,11 @@ def serve(
         "--embed-budget-gb).",
     ),
     host_budget_gb: float = typer.Option(None, help="Pinned host tier (default: half of RAM)."),
+    host_tier: str = typer.Option(
+        "private",
+        help="private (this worker's own pinned pool) or shared:NAME (one tier for every "
+        "worker of this host that names it: what one read is a memory hit for all).",
+    ),
     dtype: str = typer.Option(None, help="bf16, fp16 or fp32 (default: as stored)."),
     prepare: bool = typer.Option(
         True, "--prepare/--no-prepare", help="Build every pipeline's modules at boot."
@@ -123,11 +128,14 @@ def serve(
     switching pipelines through the model cache. Status page at /, metrics at /metrics."""
     import uvicorn
 
+    from nostall.cache.host import parse_host_tier
     from nostall.serve.app import create_app
     from nostall.serve.http import check_server, uvicorn_config
     from nostall.serve.schedule import Policy
     from nostall.serve.worker import Worker
 
+    with usage_errors("--host-tier"):
+        parse_host_tier(host_tier)
     gpu_budget = gigabytes(gpu_budget_gb, "--gpu-budget-gb")
     host_budget = gigabytes(host_budget_gb, "--host-budget-gb")
     dt = parse_dtype(dtype)
@@ -147,6 +155,7 @@ def serve(
             reserve=None if activation_reserve_gb is None else int(activation_reserve_gb * 1e9),
             external=int((embed_budget_gb or 0) * 1e9),
             lora_room=int(lora_room_gb * 1e9),
+            host_tier=host_tier,
             schedule=Policy(batch=batch, overtake=max_overtaken, delay_s=max_delay_s),
         )
     # Refused here, before the server binds, when a pipeline can never fit the device
@@ -185,7 +194,13 @@ def fleet(
     ),
     host_budget_gb: float = typer.Option(
         None,
-        help="Each worker's pinned host tier (default: half the memory, shared by the workers).",
+        help="The pinned host tier (default: half the memory; with --host-tier private, "
+        "divided by the workers).",
+    ),
+    host_tier: str = typer.Option(
+        "shared:fleet",
+        help="shared:NAME (default: one tier for all the workers of a host, in /dev/shm) or "
+        "private (each worker its own).",
     ),
     address: str = typer.Option(None, help="A running Ray cluster (default: start one here)."),
     embed: bool = typer.Option(
@@ -199,7 +214,11 @@ def fleet(
     the worker that can serve its model soonest (GPU, then host memory, then disk)."""
     # The workers' GPUs may be on other hosts of the cluster: only the kind is checked here.
     check_choices([device], ("cuda", "cpu"), "--device")
-    opts = {}
+    from nostall.cache.host import parse_host_tier
+
+    with usage_errors("--host-tier"):
+        parse_host_tier(host_tier)
+    opts: dict = {"host_tier": host_tier}
     share = 1.0
     if embed:
         local = "127.0.0.1" if host in ("0.0.0.0", "::") else host

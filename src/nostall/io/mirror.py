@@ -33,11 +33,11 @@ from nostall.io.remote import (
     REMOTE_SUFFIX,
     S3,
     ObjectRef,
-    _unlink,
-    _write_atomic,
     default_s3,
     read_stub,
     split_url,
+    unlink_missing,
+    write_atomic,
     write_stub,
 )
 
@@ -106,7 +106,7 @@ def mirror(
     with ThreadPoolExecutor(max(1, min(threads, len(rels)))) as pool:
         done = dict(pool.map(one, rels))
     if done != manifest:
-        _write_atomic(manifest_path, json.dumps(done, sort_keys=True).encode())
+        write_atomic(manifest_path, json.dumps(done, sort_keys=True).encode())
     if exact and not key.endswith("/"):
         return os.path.join(folder, key.rsplit("/", 1)[-1])
     return folder
@@ -122,10 +122,10 @@ def _weight_stub(local: str, o: ObjectRef, s3: S3, keep: bool) -> None:
         if ref == o and (kept or not keep):
             return
         if ref != o:
-            _unlink(local)  # a disk copy of the old version
+            unlink_missing(local)  # a disk copy of the old version
     elif os.path.exists(local) and os.path.getsize(local) != o.size:
         # A disk copy without its stub (a stub deleted by hand): trusted only by size.
-        _unlink(local)
+        unlink_missing(local)
     head = s3.read_bytes(o, 0, min(o.size, _FIRST_BYTES))
     if len(head) < 8:
         raise CheckpointError(

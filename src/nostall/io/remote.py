@@ -48,6 +48,8 @@ __all__ = [
     "default_s3",
     "is_remote",
     "split_url",
+    "unlink_missing",
+    "write_atomic",
 ]
 
 log = logging.getLogger(__name__)
@@ -218,7 +220,7 @@ class S3:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
-            _unlink(tmp)
+            unlink_missing(tmp)
             raise
 
     # ---- one GET, checked ---------------------------------------------------------------
@@ -418,7 +420,7 @@ def write_stub(path: str, ref: ObjectRef, head: bytes, *, keep: bool) -> None:
     URL, size, ETag, its first bytes (the safetensors header) and whether a load should
     keep a disk copy."""
     doc = {"url": ref.url, "size": ref.size, "etag": ref.etag, "head": head.hex(), "keep": keep}
-    _write_atomic(path, json.dumps(doc).encode())
+    write_atomic(path, json.dumps(doc).encode())
 
 
 def read_stub(path: str) -> tuple[ObjectRef, bytes, bool]:
@@ -529,7 +531,7 @@ class _DiskCopy:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        _unlink(self.tmp)
+        unlink_missing(self.tmp)
 
 
 def _covers(spans: list[tuple[int, int]], size: int) -> bool:
@@ -541,7 +543,8 @@ def _covers(spans: list[tuple[int, int]], size: int) -> bool:
     return end >= size
 
 
-def _write_atomic(path: str, data: bytes) -> None:
+def write_atomic(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` under a temporary name, renamed into place when complete."""
     folder = os.path.dirname(path) or "."
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".nostall-", suffix=".part", dir=folder)
@@ -552,7 +555,7 @@ def _write_atomic(path: str, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        _unlink(tmp)
+        unlink_missing(tmp)
         raise
 
 
@@ -569,6 +572,7 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def _unlink(path: str) -> None:
+def unlink_missing(path: str) -> None:
+    """Remove ``path``; nothing to do if it is not there."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)

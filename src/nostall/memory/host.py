@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -58,6 +59,13 @@ def cuda_available() -> bool:
 class HostArena:
     """An anonymous, page-aligned mapping of ``nbytes``, pinned segment by segment.
 
+    With ``fd``, the mapping is instead the first ``nbytes`` of that file, ``MAP_SHARED``
+    (a ``/dev/shm`` segment that several processes map: each sees the others' writes).
+    The arena keeps its own duplicate of ``fd`` (closed by :meth:`close`); the file must
+    already be at least ``nbytes`` long. Such an arena never writes bytes it did not
+    receive: touching a segment commits the file's pages (``fallocate``) instead of
+    zeroing them, because another process may have filled them.
+
     The arena owns the mapping. ``tensor`` is a ``uint8`` CPU tensor over all of
     it; views of it stay valid after :meth:`close` (close unregisters the pages;
     the mapping itself is freed when the last view is gone, by Python's buffer
@@ -89,6 +97,7 @@ class HostArena:
         segment_bytes: int = 1 << 30,
         hugepages: bool = True,
         device: int | None = None,
+        fd: int | None = None,
     ):
         if nbytes <= 0:
             raise ArgumentError(f"arena size must be positive, got {nbytes}")
@@ -97,8 +106,22 @@ class HostArena:
         self.nbytes = round_up(nbytes, PAGE)
         self.segment_bytes = segment_bytes
         self.device = device
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
-        self._map: mmap.mmap | None = mmap.mmap(-1, self.nbytes, flags=flags)
+        self._fd: int | None = None
+        if fd is None:
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+            self._map: mmap.mmap | None = mmap.mmap(-1, self.nbytes, flags=flags)
+        else:
+            self._fd = os.dup(fd)
+            try:
+                self._map = mmap.mmap(
+                    self._fd,
+                    self.nbytes,
+                    flags=mmap.MAP_SHARED,
+                    prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                )
+            except BaseException:
+                os.close(self._fd)
+                raise
         if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
             # Fewer page faults on first touch and fewer pages to lock; harmless where
             # transparent huge pages are off.
@@ -173,11 +196,29 @@ class HostArena:
             self._registered[i] = True
         return self._registered[i]
 
+    def commit(self, start: int, end: int) -> None:
+        """Give a file-backed arena's bytes ``[start, end)`` their pages now (``fallocate``;
+        what they hold is kept), so that writing them later cannot fail. Nothing for an
+        anonymous arena, or where the file system cannot allocate ahead.
+
+        Raises ``OSError`` (``ENOSPC``) when the file system is full: without this, the
+        first write to a page a full tmpfs cannot back kills the process with ``SIGBUS``.
+        """
+        if self._fd is None or end <= start:
+            return
+        if self._map is None:
+            raise ClosedError("host arena is closed")
+        _fallocate(self._fd, start, end - start)
+
     def _touch(self, start: int, end: int) -> None:
-        # torch's zero_ is parallel across intra-op threads: the first touch of a
-        # fresh mapping runs at memory speed instead of one page fault at a time.
-        with torch.inference_mode(False):
-            self.tensor[start:end].zero_()
+        if self._fd is not None:
+            # Other processes' bytes live in a shared file's pages: allocate, never zero.
+            self.commit(start, end)
+        else:
+            # torch's zero_ is parallel across intra-op threads: the first touch of a
+            # fresh mapping runs at memory speed instead of one page fault at a time.
+            with torch.inference_mode(False):
+                self.tensor[start:end].zero_()
         # Where the first touch fell back to 4 KiB pages (fragmented memory), ask the
         # kernel to collapse the range into huge pages: pinned 4 KiB pages both pin
         # slower and feed the GPU's copy engine slower.
@@ -215,6 +256,9 @@ class HostArena:
         # Drop our references; the mapping is unmapped once no tensor view uses it.
         self.tensor = None  # type: ignore[assignment]
         self._map = None
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
         if failed:
             raise DeviceError(
                 f"cudaHostUnregister refused {len(failed)} of the arena's segments: "
@@ -239,6 +283,24 @@ def release_pages(tensor: torch.Tensor, start: int, end: int) -> int:
     return hi - lo if _madvise(lo, hi - lo, _MADV_DONTNEED) else 0
 
 
+def _fallocate(fd: int, offset: int, length: int) -> None:
+    # fallocate(2) mode 0, not os.posix_fallocate: where the file system lacks fallocate,
+    # glibc's emulation writes a zero into every block that reads zero, racing with
+    # another process filling that block.
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = getattr(libc, "fallocate64", None) or libc.fallocate
+    except (OSError, AttributeError):
+        return  # no libc call to make: the writes allocate the pages
+    call.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if call(fd, 0, offset, length) == 0:
+        return
+    err = ctypes.get_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS):
+        return  # pages are then allocated by the writes themselves
+    raise OSError(err, f"fallocate of {length} bytes at offset {offset}: {os.strerror(err)}")
+
+
 def _madvise(address: int, length: int, advice: int) -> bool:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -247,10 +309,11 @@ def _madvise(address: int, length: int, advice: int) -> bool:
         return False
 
 
-def hugepage_bytes(address: int, length: int) -> int | None:
+def hugepage_bytes(address: int, length: int, field: str = "AnonHugePages") -> int | None:
     """Bytes of ``[address, address + length)`` backed by transparent huge pages.
 
-    Read from ``/proc/self/smaps`` (``AnonHugePages``); ``None`` where unavailable.
+    Read from ``/proc/self/smaps``: ``field`` is ``AnonHugePages`` for anonymous memory,
+    ``ShmemPmdMapped`` for a shared memory file; ``None`` where unavailable.
     """
     total, inside = 0, False
     try:
@@ -260,7 +323,7 @@ def hugepage_bytes(address: int, length: int) -> int | None:
                 if "-" in head and not head.endswith(":"):
                     lo, hi = (int(x, 16) for x in head.split("-"))
                     inside = lo < address + length and hi > address
-                elif inside and line.startswith("AnonHugePages:"):
+                elif inside and line.startswith(field + ":"):
                     total += int(line.split()[1]) * 1024
     except (OSError, ValueError):
         return None

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from nostall.errors import ArgumentError, BusyError, ClosedError, DeviceError, PoolExhausted
+from nostall.errors import ArgumentError, BusyError, ClosedError, PoolExhausted
 from nostall.memory.events import event_done, wait_event
 from nostall.memory.host import (
     HostArena,
@@ -50,6 +50,7 @@ from nostall.memory.host import (
     memory_limit,
     round_up,
 )
+from nostall.memory.pinning import Pinning, device_index, teardown
 from nostall.memory.ranges import Ranges
 
 __all__ = ["Block", "PinnedPool", "PoolStats", "size_class"]
@@ -187,69 +188,6 @@ class Block:
         )
 
 
-class _Pinning:
-    """The background pin thread's state; shared with the pool, never holding it, so a
-    dropped pool can be finalised while pinning is still running."""
-
-    def __init__(self, arena: HostArena, register: bool, device: int | None):
-        self.arena, self.register, self.device = arena, register, device
-        self.cond = threading.Condition()
-        self.upto = 0  # slabs [0, upto) are touched (and registered)
-        self.error: BaseException | None = None
-        self.stopped = False
-
-    def run(self) -> None:
-        try:
-            if self.register and self.device is not None:
-                # This thread's registrations go through this GPU's context, not GPU 0's.
-                torch.cuda.set_device(self.device)
-            for i in range(self.arena.num_segments):
-                with self.cond:
-                    if self.stopped:
-                        return
-                self.arena.pin_segment(i, register=self.register)
-                with self.cond:
-                    self.upto = i + 1
-                    self.cond.notify_all()
-        except BaseException as e:  # surfaced to whoever waits on pinning
-            with self.cond:
-                self.error = e
-                self.cond.notify_all()
-            log.exception("pinning the pool failed")
-
-    def skip(self) -> None:
-        """Count every slab as ready without touching it (a pool that does not pin)."""
-        with self.cond:
-            self.upto = self.arena.num_segments
-            self.cond.notify_all()
-
-    def wait(self, upto: int, timeout: float | None) -> bool:
-        with self.cond:
-            ok = self.cond.wait_for(
-                lambda: self.upto >= upto or self.error is not None or self.stopped, timeout
-            )
-            if self.error is not None:
-                raise DeviceError(
-                    f"pinning the pool failed: {type(self.error).__name__}: {self.error}"
-                ) from self.error
-            return ok and self.upto >= upto
-
-    def stop(self) -> None:
-        with self.cond:
-            self.stopped = True
-            self.cond.notify_all()
-
-
-def _teardown(pinning: _Pinning, thread: threading.Thread | None, arena: HostArena) -> None:
-    # Runs from close(), when a pool is garbage-collected, and at interpreter exit
-    # (weakref.finalize): a daemon thread still inside cudaHostRegister while CUDA tears
-    # down aborts the process ("terminate called without an active exception").
-    pinning.stop()
-    if thread is not None and thread is not threading.current_thread():
-        thread.join()
-    arena.close()
-
-
 class PinnedPool:
     """A byte-budgeted pool of page-locked host memory for checkpoints.
 
@@ -294,11 +232,11 @@ class PinnedPool:
         if slab_bytes <= 0 or slab_bytes % GRANULE:
             raise ArgumentError(f"slab_bytes={slab_bytes} must be a positive multiple of {GRANULE}")
         capacity = round_up(capacity, GRANULE)
-        _check_capacity(capacity)
+        check_capacity(capacity)
         self.capacity = capacity
         self.auto_evict = evict
         self.pin = cuda_available() if pin is None else pin
-        self.device = _device_index(device) if self.pin else None
+        self.device = device_index(device) if self.pin else None
         self.arena = HostArena(capacity, segment_bytes=slab_bytes, device=self.device)
         self._lock = threading.Lock()
         self._released = threading.Condition(self._lock)  # notified when a holder lets go
@@ -307,7 +245,7 @@ class PinnedPool:
         self._blocks: set[Block] = set()
         self._cache: dict[Hashable, Block] = {}
         self._state = "open"  # open → closing → closed
-        self._pinning = _Pinning(self.arena, self.pin, self.device)
+        self._pinning = Pinning(self.arena, self.pin, self.device)
         self._pinner: threading.Thread | None = None
         if not self.pin:
             # Pageable memory has nothing to lock, and touching every page up front made
@@ -318,7 +256,7 @@ class PinnedPool:
             self._pinner = threading.Thread(
                 target=self._pinning.run, name="nostall-pool-pin", daemon=True
             )
-        self._finalizer = weakref.finalize(self, _teardown, self._pinning, self._pinner, self.arena)
+        self._finalizer = weakref.finalize(self, teardown, self._pinning, self._pinner, self.arena)
         if self._pinner is not None:
             self._pinner.start()
         elif self.pin:
@@ -573,27 +511,9 @@ class PinnedPool:
         )
 
 
-def _device_index(device: str | torch.device | int | None) -> int | None:
-    """The CUDA device index that registers the pool's memory (no context is created)."""
-    if not torch.cuda.is_available():
-        return None
-    if device is None:
-        return torch.cuda.current_device()
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ArgumentError(f"device={device!r} is not a device; use 'cuda[:N]' or an index") from e
-    if dev.type != "cuda":
-        raise ArgumentError(f"device={device!r}: pinned memory is registered with a CUDA device")
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    if not 0 <= index < torch.cuda.device_count():
-        raise DeviceError(
-            f"device cuda:{index} does not exist; {torch.cuda.device_count()} GPU(s) visible"
-        )
-    return index
-
-
-def _check_capacity(capacity: int) -> None:
+def check_capacity(capacity: int) -> None:
+    """:class:`~nostall.ArgumentError` when a pool of ``capacity`` bytes cannot fit this
+    process's memory limit; a warning when it exceeds what the OS reports available now."""
     limit, source = memory_limit()
     if limit is not None and capacity > limit:
         where = "this container's cgroup limit" if source == "cgroup" else "the machine's memory"

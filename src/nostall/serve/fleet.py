@@ -191,7 +191,9 @@ def worker_budgets(
     embed_bytes: int = 0,
 ) -> dict[str, Any]:
     """One worker's options: ``options``, with the host tier (and on a CPU the device
-    tier) defaulting to the one-worker default divided by ``replicas``; the host tier no
+    tier) defaulting to the one-worker default divided by ``replicas`` (the host tier
+    not divided when ``options`` name a shared one, ``host_tier="shared:NAME"``: every
+    worker of the host maps the same); the host tier no
     larger than ``store_bytes``, what the store takes there
     (:func:`nostall.cache.host.store_bytes`). On GPUs, ``embed_bytes``: what an embedding
     service sharing a worker's GPU takes there (its encoders,
@@ -201,7 +203,9 @@ def worker_budgets(
     from nostall.memory.host import memory_limit
 
     limit = limit or memory_limit()[0] or (16 << 30)
-    host = limit // 2 // replicas
+    # One shared host tier (host_tier="shared:NAME") is the host's: not divided.
+    shared = str(options.get("host_tier") or "").startswith("shared:")
+    host = limit // 2 // (1 if shared else replicas)
     out: dict[str, Any] = {"host_budget": host if store_bytes is None else min(host, store_bytes)}
     if not gpu:
         out["gpu_budget"] = limit // 4 // replicas

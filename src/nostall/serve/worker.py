@@ -160,6 +160,7 @@ class Worker:
         external: int = 0,
         schedule: Policy | None = None,
         lora_room: int = 0,
+        host_tier: str | None = None,
     ):
         from nostall.serve.metrics import WorkerMetrics
 
@@ -190,7 +191,7 @@ class Worker:
         try:
             self.cache = ModelCache(
                 store, device=device, gpu_budget=gpu_budget, host_budget=host_budget,
-                dtype=dtype, activation_reserve=budget.reserve,
+                dtype=dtype, activation_reserve=budget.reserve, host_tier=host_tier,
             )  # fmt: skip
         except BaseException:
             budget.release("model cache")
