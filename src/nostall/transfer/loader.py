@@ -146,7 +146,7 @@ class Loader:
             :class:`~nostall.DegradedError` (nothing is loaded).
         ring_slots, ring_slot_bytes: the pinned staging ring for loads without a pool.
         connections: reader threads for checkpoints in object storage (one connection
-            each, ranged GETs of 8 MiB); made on the first remote load.
+            each, ranged GETs of 16 MiB); made on the first remote load.
 
     >>> with Loader(threads=2) as loader:  # doctest: +SKIP
     ...     result = loader.load("model.safetensors", device="cuda")
@@ -460,7 +460,7 @@ class Loader:
 
     def _chunk(self, plan: LoadPlan) -> int:
         """Bytes per read request: ``chunk_bytes``; for a checkpoint in object storage one
-        ranged GET (8 MiB), so that every connection has a request of its own even for a
+        ranged GET (16 MiB), so that every connection has a request of its own even for a
         small checkpoint, and each lands (and is copied) as soon as it arrives."""
         if any(f.path.endswith(REMOTE_SUFFIX) for f in plan.checkpoint.files):
             return min(self.chunk_bytes, REMOTE_RANGE_BYTES)
