@@ -18,20 +18,21 @@ import hashlib, json, sys
 sys.path.insert(0, {tests!r})
 import nostall
 from cache_support import run
-store, names = sys.argv[1], sys.argv[2:]
-with nostall.ModelCache(store, device="cpu", host_tier="shared:t") as cache:
+store, device, tier, names = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+with nostall.ModelCache(store, device=device, host_tier=tier) as cache:
     for name in names:
         with cache.use(name) as pipe:
-            image = run(pipe, name)
+            image = run(pipe, name, device=device)
         tiers = {{c.role: c.tier for c in cache.last_report.components}}
         print(json.dumps([name, tiers, hashlib.sha256(image.tobytes()).hexdigest()]))
 """
 
 
-def _worker(store, *names, env):
+def worker(store, *names, env, device="cpu", tier="shared:t"):
+    """Run a worker process; its switches' tiers and images, in order."""
     code = _WORKER.format(tests=os.path.join(os.path.dirname(__file__)))
     p = subprocess.run(
-        [sys.executable, "-c", code, str(store), *names],
+        [sys.executable, "-c", code, str(store), device, tier, *names],
         capture_output=True,
         text=True,
         env=env,
@@ -43,10 +44,10 @@ def _worker(store, *names, env):
 
 def test_what_one_worker_read_is_a_memory_hit_for_the_next(store, tmp_path):
     env = {**os.environ, "NOSTALL_SHM_DIR": str(tmp_path)}
-    first = _worker(store, "flux", "sdxl", env=env)
+    first = worker(store, "flux", "sdxl", env=env)
     assert all(t == "disk" for _, tiers, _ in first for t in tiers.values())
     # A new process: every component is in the host's tier already.
-    second = _worker(store, "sdxl", "flux", env=env)
+    second = worker(store, "sdxl", "flux", env=env)
     assert all(t == "host" for _, tiers, _ in second for t in tiers.values()), second
     images = {name: digest for name, _, digest in first}
     assert {name: digest for name, _, digest in second} == images

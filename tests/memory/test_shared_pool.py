@@ -524,9 +524,22 @@ def test_a_full_file_system_is_pool_exhausted_not_sigbus(open_pool, monkeypatch)
 
 
 @pytest.mark.cuda
-def test_a_cuda_pool_registers_the_shared_pages(open_pool):
-    # Two pool objects stand for two processes: each registers its own mapping.
-    writer, reader = open_pool(device="cuda"), open_pool(device="cuda")
+def test_a_cuda_pool_registers_the_shared_pages():
+    # In /dev/shm, as in service: Linux lets CUDA pin tmpfs pages for long, not a disk
+    # file's (FOLL_LONGTERM on file-backed mappings is refused since 6.5).
+    name = f"test-cuda-{os.getpid()}"
+    pools = []
+    try:
+        # Two pool objects stand for two processes: each registers its own mapping.
+        pools += [SharedPool(name, 32 * MiB, device="cuda") for _ in range(2)]
+        _registers_the_shared_pages(*pools)
+    finally:
+        for p in pools:
+            p.close(timeout=1)
+        SharedPool.destroy(name, force=True)
+
+
+def _registers_the_shared_pages(writer, reader):
     assert writer.wait_pinned(timeout=60) and reader.wait_pinned(timeout=60)
     b = writer.allocate(4 * MiB, key="k")
     assert b.tensor.is_pinned()
