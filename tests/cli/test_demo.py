@@ -25,6 +25,7 @@ def test_demo_succeeds(demo):
 def test_demo_loads_bit_equal_to_safetensors(demo):
     result, _ = demo
     assert "memory-cache hit" in result.output
+    assert "nostall (s3://, rclone on loopback)" in result.output  # the test extra has both
     assert "All tensors equal" in result.output
 
 

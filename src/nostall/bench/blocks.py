@@ -23,6 +23,7 @@ __all__ = [
     "LOAD",
     "LOAD_COLD",
     "MODES",
+    "REMOTE",
     "SERVE",
     "SERVE_B1",
     "SWITCH",
@@ -42,6 +43,7 @@ SWITCH = "switch.json"
 FP8 = "fp8.json"
 GPU_CHECK = "gpu-check.json"
 SERVE = "serve.json"
+REMOTE = "remote.json"
 SERVE_B1 = "history/serve-7d22636.json"  # the unbatched stream (its batched part failed)
 SERVE_FIRST = "history/serve-c92afe5.json"
 
@@ -574,6 +576,52 @@ def adapters_targets(doc: Doc) -> str:
     return targets_table(doc, [ADAPTERS, *(n for n, _ in ADAPTER_RUNS[:-1][::-1])])
 
 
+def remote(doc: Doc) -> str:
+    """The FLUX transformer from rclone's S3 server to the device, per link, nostall
+    against one GET stream and boto3; then the shared host tier's second process."""
+    r = doc.rec(REMOTE)
+    res, cfg = r["results"], r["config"]
+    gb = r["object"]["nbytes"] / 1e9
+    rows = []
+    for link in ("loopback", "throttled"):
+        x = res.get(link)
+        if not x:
+            continue
+        n, one, b = x["nostall"], x["single"], x["boto3"]
+        where = (
+            "loopback"
+            if link == "loopback"
+            else f"{cfg['bwlimit_per_connection']}iB/s per connection"
+        )
+        rows.append([where, f"**nostall**, {n['connections']} connections",
+                     secs(n["to_resident_s"], 2), f"{n['gbps']:.2f}",
+                     f"download {secs(n['download_s'], 2)}; copies trail it ×{n['overlap']:.3f}"])  # fmt: skip
+        rows.append(["", "one GET stream", NA, f"{one['gbps']:.3f}",
+                     "its steady rate" if not one["complete"] else "whole object"])  # fmt: skip
+        rows.append(["", "boto3 `download_file` + `load_file`", secs(b["to_resident_s"], 2),
+                     f"{b['gbps']:.2f}",
+                     f"download {secs(b['download_s'], 2)}; nostall {x['vs_boto3']:.2f}×, "
+                     f"{x['vs_single_stream']:.1f}× one stream; tensors "
+                     f"{'equal' if b['equal_to_nostall'] else '**differ**'}"])  # fmt: skip
+    head = ["link", "method", "to resident", "GB/s", "notes"]
+    out = f"FLUX transformer, {gb:.2f} GB, to `{cfg['device']}`.\n\n" + table(head, rows)
+    sh = res.get("shared") or {}
+    if sh.get("second"):
+        a, b2 = sh["first"], sh["second"]
+        out += (
+            f"\n\nShared host tier: process 1 {a['scenario']} in {secs(a['s'], 2)}; process 2 "
+            f"mapped and registered the tier in {secs(b2['attach_s'], 2)}, then its load was a "
+            f"{b2['scenario']}: {secs(b2['s'], 3)}, **{b2['gbps']:.1f} GB/s**."
+        )
+    elif sh.get("error"):
+        out += f"\n\nShared host tier: not measured ({' '.join(sh['error'].split())[-200:]})."
+    return out + "\n\n" + provenance(doc, REMOTE)
+
+
+def remote_targets(doc: Doc) -> str:
+    return targets_table(doc, [REMOTE], ["measured"])
+
+
 BLOCKS: dict[str, Callable[[Doc], str]] = {
     "load-warm": load_warm,
     "load-cold": load_cold,
@@ -597,4 +645,6 @@ BLOCKS: dict[str, Callable[[Doc], str]] = {
     "adapters": adapters,
     "adapters-runs": adapters_runs,
     "adapters-targets": adapters_targets,
+    "remote": remote,
+    "remote-targets": remote_targets,
 }

@@ -117,7 +117,7 @@ class S3:
     def __init__(
         self,
         *,
-        connections: int = 64,
+        connections: int = 128,
         attempts: int = 6,
         backoff_s: float = 0.2,
         timeout_s: float = 30.0,
