@@ -86,8 +86,10 @@ def test_the_object_replaced_mid_download_is_an_error_and_nothing_is_kept(tmp_pa
 
     root = tmp_path / "buckets"
     (root / "b").mkdir(parents=True)
-    save_file(big_tensors(32), str(root / "b" / "model.safetensors"))
-    with S3Server(root, bwlimit="8M", dir_cache="0s") as server:
+    # 64 MB in 16 MiB ranges over 2 connections at 16 MiB/s each: a second wave of ranges
+    # starts after the replacement, and finds another object.
+    save_file(big_tensors(64), str(root / "b" / "model.safetensors"))
+    with S3Server(root, bwlimit="16M", dir_cache="0s") as server:
         for k, v in server.env.items():
             monkeypatch.setenv(k, v)
         monkeypatch.setattr(remote, "_DEFAULT", None)
@@ -97,13 +99,13 @@ def test_the_object_replaced_mid_download_is_an_error_and_nothing_is_kept(tmp_pa
         def replace():
             time.sleep(0.5)
             other = tmp_path / "other.safetensors"
-            save_file(big_tensors(33), str(other))
+            save_file(big_tensors(65), str(other))
             os.replace(other, root / "b" / "model.safetensors")
 
         t = threading.Thread(target=replace)
         t.start()
         with pytest.raises(FileChanged, match="changed while it was read"):
-            nostall.Loader(connections=4).load(local)
+            nostall.Loader(connections=2).load(local)
         t.join()
         remote._DEFAULT.close()
     assert not [p for p in cache.rglob("*") if p.name.endswith(".safetensors") or ".part" in p.name]
@@ -121,13 +123,14 @@ def test_the_server_gone_mid_download_is_a_remote_error_within_bounded_time(tmp_
     monkeypatch.setattr(remote, "_DEFAULT", S3(attempts=3, backoff_s=0.05, timeout_s=2.0))
     cache = tmp_path / "cache"
     local = mirror("s3://b/model.safetensors", cache, keep_weights=True)
-    threading.Timer(0.5, server.stop).start()
+    threading.Timer(0.5, server.proc.kill).start()  # gone: no graceful end of the GETs
     t0 = time.monotonic()
     with pytest.raises(RemoteError, match="failed 3 times") as e:
         nostall.Loader(connections=4).load(local)
     assert time.monotonic() - t0 < 20
     assert "AWS_ENDPOINT_URL" in str(e.value)
     remote._DEFAULT.close()
+    server.stop()
     assert not [p for p in cache.rglob("*") if p.name.endswith(".safetensors") or ".part" in p.name]
 
 
