@@ -4,6 +4,8 @@ the other, idle one; prompts are encoded by the service."""
 
 from __future__ import annotations
 
+import os
+
 import httpx
 import pytest
 
@@ -13,8 +15,21 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 
+SHARED = f"fleet-test-{os.getpid()}"  # the workers' one host tier (as `nostall fleet` runs)
+
+
 @pytest.fixture(scope="module")
-def fleet_url(store):
+def shm(tmp_path_factory):
+    """The folder of the workers' shared host tier (not the machine's /dev/shm)."""
+    from nostall.memory import SharedPool
+
+    folder = tmp_path_factory.mktemp("shm")
+    yield folder
+    SharedPool.destroy(SHARED, root=folder, force=True)
+
+
+@pytest.fixture(scope="module")
+def fleet_url(store, shm):
     from nostall.serve.fleet import build_embed, build_fleet
 
     ray.init(
@@ -22,7 +37,7 @@ def fleet_url(store):
         include_dashboard=False,
         object_store_memory=128 << 20,
         log_to_driver=False,
-        runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+        runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "NOSTALL_SHM_DIR": str(shm)}},
     )
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -32,8 +47,9 @@ def fleet_url(store):
         str(store),
         replicas=2,
         device="cpu",
-        worker_options={"gpu_budget": 8 << 20, "host_budget": 32 << 20, "prepare": False,
-                        "embed_url": f"http://127.0.0.1:{port}/embed"},
+        worker_options={"gpu_budget": 8 << 20, "host_budget": 64 << 20, "prepare": False,
+                        "embed_url": f"http://127.0.0.1:{port}/embed",
+                        "host_tier": f"shared:{SHARED}"},
     )  # fmt: skip
     if hasattr(serve, "run_many"):
         # Both applications' replicas start together (36 s -> 24 s on a 2-core machine);
@@ -77,6 +93,19 @@ def test_requests_go_where_the_model_is(fleet_url):
     stats = httpx.get(f"{fleet_url}/embed/stats").json()
     assert stats["texts_encoded"] == 4  # CLIP + T5 for flux, CLIP-L + CLIP-G for sdxl, once
     assert stats["cache"]["hits"] == 4  # the second flux and sdxl prompts
+
+
+def test_the_workers_keep_one_copy_of_each_component_in_the_hosts_tier(fleet_url, shm):
+    from nostall.memory import SharedPool
+
+    for model in ("flux", "sdxl"):
+        _post(fleet_url, model)
+    workers = {r["worker"] for r in httpx.get(f"{fleet_url}/fleet").json()["routed"]}
+    assert workers == {0, 1}  # both served, each read its model once...
+    with SharedPool(SHARED, 64 << 20, root=shm) as tier:
+        keys = tier.cached_keys()
+    # ... into the one tier: flux's transformer and VAE, sdxl's UNet and VAE, once each
+    assert len(keys) == len(set(keys)) == 4, keys
 
 
 def test_the_fleet_answers_bad_requests_clearly(fleet_url):
