@@ -6,24 +6,49 @@ import json
 
 import pytest
 
-from nostall.bench.decode import evaluate_targets, merge_reports, run_decode_bench
+from nostall.bench.decode import evaluate_targets, merge_reports
 
 pytest.importorskip("diffusers")
 pytest.importorskip("av")
 
 
 @pytest.fixture(scope="module")
-def tiny_report(tmp_path_factory):
+def cli_run(tmp_path_factory):
+    """One run of the tiny bench from the CLI (the run every test here reads): its
+    report, its output, its arguments and its report's path."""
+    from typer.testing import CliRunner
+
+    from nostall.cli import app
+
     work = tmp_path_factory.mktemp("decode")
-    return run_decode_bench(
-        size="tiny",
-        dtypes=("fp32",),
-        latent_frames=3,
-        repeat=2,
-        device="cpu",
-        out_dir=str(work),
-        log=lambda s: None,
-    )
+    out = work / "decode.json"
+    args = ["bench", "decode", "--size", "tiny", "--dtype", "fp32", "--device", "cpu"]
+    args += ["--latent-frames", "3", "--repeat", "2", "--work", str(work / "w")]
+    result = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return json.loads(out.read_text()), result.output, args, out
+
+
+@pytest.fixture(scope="module")
+def tiny_report(cli_run):
+    return cli_run[0]
+
+
+def test_the_cli_writes_json_and_tables_and_never_over_a_report(cli_run):
+    from typer.testing import CliRunner
+
+    from nostall.cli import app
+
+    report, output, args, out = cli_run
+    assert "async" in output and "fp32_async_vs_decode_only" in output
+    assert "back to back" in output and "submit_decode" in output
+    assert "decoder modes" in output and "bit-identical" in output
+    # a second run refuses to write over the first report, before running anything
+    again = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert again.exit_code == 2 and "--overwrite" in again.output
+    assert json.loads(out.read_text()) == report
+    bad = CliRunner().invoke(app, [*args, "--out", str(out.with_name("x.json")), "--mode", "turbo"])
+    assert bad.exit_code == 2 and "exact" in bad.output
 
 
 def test_tiny_bench_times_every_mode_on_cpu(tiny_report):

@@ -44,10 +44,10 @@ def worker(store, *names, env, device="cpu", tier="shared:t"):
 
 def test_what_one_worker_read_is_a_memory_hit_for_the_next(store, tmp_path):
     env = {**os.environ, "NOSTALL_SHM_DIR": str(tmp_path)}
-    first = worker(store, "flux", "sdxl", env=env)
+    first = worker(store, "flux", env=env)
     assert all(t == "disk" for _, tiers, _ in first for t in tiers.values())
     # A new process: every component is in the host's tier already.
-    second = worker(store, "sdxl", "flux", env=env)
+    second = worker(store, "flux", env=env)
     assert all(t == "host" for _, tiers, _ in second for t in tiers.values()), second
     images = {name: digest for name, _, digest in first}
     assert {name: digest for name, _, digest in second} == images

@@ -74,28 +74,6 @@ def test_bench_switch_cold_part_needs_drop_caches(tmp_path, tiny_store, monkeypa
 
 
 @pytest.mark.timeout(300)
-def test_bench_decode_tiny_on_cpu_writes_json_and_table(tmp_path):
-    pytest.importorskip("av")
-    out = tmp_path / "decode.json"
-    args = ["bench", "decode", "--size", "tiny", "--dtype", "fp32", "--device", "cpu"]
-    args += ["--latent-frames", "2", "--repeat", "1", "--work", str(tmp_path / "w")]
-    result = runner.invoke(app, [*args, "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    report = json.loads(out.read_text())
-    assert report["config"]["frames"] == 5
-    # a second run refuses to write over the first report, before running anything
-    again = runner.invoke(app, [*args, "--out", str(out)])
-    assert again.exit_code == 2 and "--overwrite" in again.output
-    assert json.loads(out.read_text()) == report
-    assert set(report["results"]["fp32"]) >= {"decode-only", "sync", "async", "raw_npy"}
-    assert "async" in result.output and "fp32_async_vs_decode_only" in result.output
-    assert "back to back" in result.output and "submit_decode" in result.output
-    assert "decoder modes" in result.output and "bit-identical" in result.output
-    assert report["targets"]["exact_fp32_bit_identical_to_vae_decode"]["met"] is True
-    bad = runner.invoke(app, [*args, "--out", str(tmp_path / "x.json"), "--mode", "turbo"])
-    assert bad.exit_code == 2 and "exact" in bad.output
-
-
 def test_bench_decode_memory_only_needs_cuda(tmp_path):
     m = str(tmp_path / "m.json")
     result = runner.invoke(
