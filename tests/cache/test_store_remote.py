@@ -30,3 +30,18 @@ def test_a_store_in_a_bucket_serves_the_images_of_the_local_store(store, s3_env,
         assert all(f.path.endswith(".safetensors") for f in ckpt.files)
         with cache.use("flux") as pipe:
             assert np.array_equal(run(pipe, "flux"), reference(store, "flux"))
+
+
+def test_a_store_in_a_bucket_is_indexed_ahead_as_a_local_one(store, s3_env, tmp_path):
+    from nostall.cache.store import Store
+
+    shutil.copytree(store / "flux", f"{s3_env.root}/indexed/s/flux")
+    remote = Store("s3://indexed/s", cache_dir=tmp_path / "r")
+    local = Store(str(store), cache_dir=tmp_path / "l")
+    for s in (remote, local):  # reads every weight file (from the bucket: ranged GETs)
+        assert s.index_files("flux") > 0
+    contents = [{c.role: c.content for c in s.entry("flux").weights} for s in (remote, local)]
+    assert contents[0] == contents[1] and all(contents[0].values())
+    # The files the hashing kept on disk (cache_dir) are known too: read from disk now.
+    assert all(f.path.endswith(".safetensors") for c in remote.entry("flux").weights
+               for f in c.checkpoint.files)  # fmt: skip

@@ -63,6 +63,7 @@ from nostall.errors import (
     ReadError,
     UnknownModel,
 )
+from nostall.io.base import REMOTE_SUFFIX
 
 __all__ = ["CONTROLNET_PIPELINES", "ComponentEntry", "PipelineEntry", "Store"]
 
@@ -428,6 +429,10 @@ class Store:
             if FileIdentity.stat(f.path) != f.identity:
                 raise FileChanged("the file changed while it was hashed", path=f.path)
             self.index.put(f.identity, f.path, digest)
+            kept = f.path.removesuffix(REMOTE_SUFFIX)
+            if kept != f.path and os.path.isfile(kept):
+                # A remote file the read just kept on disk (cache_dir): the same bytes.
+                self.index.put(FileIdentity.stat(kept), kept, digest)
             return f.data_bytes
 
         with ThreadPoolExecutor(threads) as pool:

@@ -126,19 +126,23 @@ class DataHasher:
 
 def hash_file_data(path: str, start: int, end: int, *, block: int = 64 << 20) -> str:
     """The digest of ``path``'s bytes ``[start, end)``, read here in ``block`` pieces (a
-    separate pass: for indexing a store ahead of time and for tests)."""
+    separate pass: for indexing a store ahead of time and for tests). Read through
+    :func:`~nostall.io.open_backend`, so a mirror's stub of a remote weight file is read
+    from object storage, as a load reads it."""
+    from nostall.errors import CheckpointError
+    from nostall.io.backends import open_backend
+
     hasher = DataHasher(start, end)
     buf = bytearray(block)
     view = memoryview(buf)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
+    with open_backend(path, "buffered", block_bytes=8 << 20) as backend:
         offset = start - start % LEAF_BYTES
         while offset < end:
-            n = os.preadv(fd, [view[: min(block, end - offset)]], offset)
+            n = backend.read_into(view[: min(block, end - offset)], offset)
             if n <= 0:
-                raise OSError(f"{path}: file ends at {offset}, before {end}")
+                raise CheckpointError(
+                    f"file ends at byte {offset}, before {end}; it was truncated", path=path
+                )
             hasher.feed(offset, view[:n])
             offset += n
-    finally:
-        os.close(fd)
     return hasher.digest()

@@ -67,12 +67,14 @@ def mirror(
     s3 = s3 or default_s3()
     bucket, key = split_url(url)
     base = os.path.join(os.fspath(root), _endpoint_dir(s3), bucket)
-    exact = [o for o in s3.list(url) if o.key == key] if key else []
-    if exact and not key.endswith("/"):
+    # One listing: the object named by the key, or the objects under it as a folder.
+    listed = s3.list(url)
+    exact = [o for o in listed if o.key == key] if key and not key.endswith("/") else []
+    if exact:
         objects, prefix = exact, key.rsplit("/", 1)[0] + "/" if "/" in key else ""
     else:
         prefix = key if not key or key.endswith("/") else key + "/"
-        objects = s3.list(f"s3://{bucket}/{prefix}")
+        objects = [o for o in listed if o.key.startswith(prefix)]
         if not objects:
             raise RemoteError(
                 f"no objects under {prefix or '/'} in bucket {bucket!r}; check the URL",
@@ -107,7 +109,7 @@ def mirror(
         done = dict(pool.map(one, rels))
     if done != manifest:
         write_atomic(manifest_path, json.dumps(done, sort_keys=True).encode())
-    if exact and not key.endswith("/"):
+    if exact:
         return os.path.join(folder, key.rsplit("/", 1)[-1])
     return folder
 
