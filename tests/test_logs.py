@@ -98,3 +98,25 @@ def test_owners_that_wrap_each_other_never_loop():
         assert said == ["one", "two"]
     finally:
         warnings.showwarning = before
+
+
+def test_a_prompt_a_library_quotes_never_reaches_the_log_and_records_are_bounded():
+    seen = _Collect()
+    quiet = LibraryWarningsOnce(("fakelib2",))
+    lib = _logger("fakelib2", seen)
+    prompt = "a lighthouse at dusk, " * 400  # 8.8 KB of a user's text
+    try:
+        with quiet:
+            lib.warning(
+                "The following part of your input was truncated because CLIP can only handle "
+                "sequences up to 77 tokens: %s",
+                [prompt],
+            )
+            lib.warning("x" * 5000)
+    finally:
+        lib.handlers.clear()
+    assert len(seen.messages) == 2
+    cut, long = seen.messages
+    assert "lighthouse" not in cut and "characters of the prompt, not logged" in cut
+    assert cut.startswith("The following part of your input was truncated because CLIP")
+    assert len(long) < 600 and long.endswith("[4500 more characters]")

@@ -1,5 +1,8 @@
 """Third-party warnings shown once: diffusers and transformers repeat theirs per switch, per
-component or per call.
+component or per call. And never a user's prompt: diffusers' pipelines log the part of a
+prompt their tokenizer cut (a served prompt may be kilobytes of a user's text); the
+filter puts its length in its place, and caps any library record at
+:data:`MAX_MESSAGE` characters.
 
 diffusers and transformers log to handlers of their own (their library loggers do not
 propagate to the root logger), so a filter on the root logger's handlers never sees
@@ -15,19 +18,40 @@ reset whenever any code changes the warning filters, which libraries do per call
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import warnings
 from typing import Any
 
-__all__ = ["LIBRARIES", "LibraryWarningsOnce", "Once"]
+__all__ = ["LIBRARIES", "MAX_MESSAGE", "LibraryWarningsOnce", "Once", "redact"]
 
 LIBRARIES = ("diffusers", "transformers")
+MAX_MESSAGE = 500  # characters of a library's log record; the rest is cut
+# diffusers' "The following part of your input was truncated because CLIP can only handle
+# sequences up to 77 tokens: ['<the rest of the prompt>']" (and its T5 sibling)
+_CUT_PROMPT = re.compile(r"(part of your input was truncated because .*? tokens): ?(.*)\Z", re.S)
+
+
+def redact(message: str) -> str:
+    """``message`` without the prompt text a library quoted in it, and at most
+    :data:`MAX_MESSAGE` characters.
+
+    >>> redact("The following part of your input was truncated because CLIP can only "
+    ...        "handle sequences up to 77 tokens: ['a very long prompt']")
+    'The following part of your input was truncated because CLIP can only handle sequences up to 77 tokens: [22 characters of the prompt, not logged]'
+    """
+    m = _CUT_PROMPT.search(message)
+    if m is not None:
+        message = f"{message[: m.end(1)]}: [{len(m.group(2))} characters of the prompt, not logged]"
+    if len(message) > MAX_MESSAGE:
+        message = f"{message[:MAX_MESSAGE]}… [{len(message) - MAX_MESSAGE} more characters]"
+    return message
 
 
 class Once(logging.Filter):
     """A handler filter letting each distinct warning (logger, message) through once;
     errors always pass. ``names``: only records of these loggers (and their children)
-    are held to once; ``None``: every record."""
+    are held to once, and :func:`redact`-ed; ``None``: every record."""
 
     def __init__(self, names: tuple[str, ...] | None = None) -> None:
         super().__init__()
@@ -46,7 +70,12 @@ class Once(logging.Filter):
         said = getattr(record, "nostall_once", None)
         if said is not None:  # the same record at another handler: the same answer
             return said
-        key = (record.name, record.getMessage())
+        text = record.getMessage()
+        if self.names is not None:  # (a library's record: no prompt text, bounded)
+            cleaned = redact(text)
+            if cleaned != text:
+                record.msg, record.args, text = cleaned, None, cleaned
+        key = (record.name, text)
         with self._lock:
             said = key not in self._seen
             self._seen.add(key)
