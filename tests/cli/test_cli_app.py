@@ -112,3 +112,46 @@ def test_numbers_out_of_range_name_the_value_and_the_range():
 def test_python_m_nostall_cli_runs_the_command():
     proc = run_cli("--version")
     assert proc.returncode == 0 and proc.stdout.startswith("nostall "), proc.stderr
+
+
+def test_sigterm_stops_a_command_as_ctrl_c_does_leaving_no_partial_file(tmp_path, wan_folder):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    z = tmp_path / "z.pt"
+    torch.save(torch.randn(1, 16, 21, 30, 52, generator=torch.Generator().manual_seed(0)), z)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "nostall.cli",
+            "decode",
+            str(z),
+            "--vae",
+            str(wan_folder),
+            "-o",
+            str(out / "clip.mp4"),
+            "--no-denormalize",
+            "--device",
+            "cpu",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not list(out.iterdir()):  # the writer opened its partial file: frames are flowing
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, "no partial file appeared"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    said = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, said
+    assert list(out.iterdir()) == [], said  # neither the partial file nor a final one
+    assert "stopped by SIGTERM" in said and "Traceback" not in said, said

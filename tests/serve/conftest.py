@@ -22,6 +22,26 @@ def store(tmp_path_factory):
 from nostall.serve.local import BackgroundServer as Server  # noqa: E402
 
 
+@pytest.fixture(scope="package")
+def controlnets(store):
+    """A tiny SDXL ControlNet under the store's controlnets/ folder."""
+    import torch
+    from diffusers import ControlNetModel, UNet2DConditionModel
+
+    folder = store / "controlnets" / "edges"
+    if not folder.exists():
+        unet = UNet2DConditionModel.from_pretrained(str(store / "sdxl" / "unet"))
+        torch.manual_seed(7)
+        cn = ControlNetModel.from_unet(
+            unet, conditioning_channels=3, conditioning_embedding_out_channels=(8, 16)
+        )
+        with torch.no_grad():
+            for p in cn.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+        cn.save_pretrained(str(folder))
+    return folder
+
+
 @pytest.fixture
 def serve(store):
     """Start a worker over the tiny store on loopback: ``serve(**worker_kwargs)``."""

@@ -107,26 +107,6 @@ def test_a_string_scale_is_refused_by_the_schema(serve, loras):
     assert r.status_code == 422 and "scale" in r.text
 
 
-@pytest.fixture(scope="module")
-def controlnets(store):
-    """A tiny SDXL ControlNet under the store's controlnets/ folder."""
-    import torch
-    from diffusers import ControlNetModel, UNet2DConditionModel
-
-    folder = store / "controlnets" / "edges"
-    if not folder.exists():
-        unet = UNet2DConditionModel.from_pretrained(str(store / "sdxl" / "unet"))
-        torch.manual_seed(7)
-        cn = ControlNetModel.from_unet(
-            unet, conditioning_channels=3, conditioning_embedding_out_channels=(8, 16)
-        )
-        with torch.no_grad():
-            for p in cn.parameters():
-                p.add_(torch.randn_like(p) * 0.02)
-        cn.save_pretrained(str(folder))
-    return folder
-
-
 def _control_b64(side=32, fmt="PNG") -> str:
     rng = np.random.default_rng(0)
     buf = io.BytesIO()

@@ -482,7 +482,7 @@ def test_serve_refuses_to_start_naming_what_can_never_fit(store):
 
 
 def test_fleet_workers_leave_out_an_embedding_service_beside_them():
-    from nostall.serve.fleet import worker_budgets
+    from nostall.serve.routing import worker_budgets
 
     beside = worker_budgets(2, gpu=True, options={}, limit=256 * GB, embed_bytes=10 * GB)
     assert beside == {"host_budget": 64 * GB, "external": 10 * GB}

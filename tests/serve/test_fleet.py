@@ -4,6 +4,7 @@ the other, idle one; prompts are encoded by the service."""
 
 from __future__ import annotations
 
+import io
 import os
 
 import httpx
@@ -29,7 +30,7 @@ def shm(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fleet_url(store, shm):
+def fleet_url(store, shm, controlnets):  # (the ControlNet there before the workers scan)
     from nostall.serve.fleet import build_embed, build_fleet
 
     ray.init(
@@ -47,10 +48,14 @@ def fleet_url(store, shm):
         str(store),
         replicas=2,
         device="cpu",
-        worker_options={"gpu_budget": 8 << 20, "host_budget": 64 << 20, "prepare": False,
-                        "embed_url": f"http://127.0.0.1:{port}/embed",
-                        "host_tier": f"shared:{SHARED}"},
-    )  # fmt: skip
+        worker_options={
+            "gpu_budget": 8 << 20,
+            "host_budget": 64 << 20,
+            "prepare": False,
+            "embed_url": f"http://127.0.0.1:{port}/embed",
+            "host_tier": f"shared:{SHARED}",
+        },
+    )
     if hasattr(serve, "run_many"):
         # Both applications' replicas start together (36 s -> 24 s on a 2-core machine);
         # the workers need the service only once they encode a prompt.
@@ -113,6 +118,10 @@ def test_the_fleet_answers_bad_requests_clearly(fleet_url):
     assert r.status_code == 404 and "flux" in r.json()["error"]["models"]
     r = httpx.post(f"{fleet_url}/v1/images/generations", content=b"{oops")
     assert r.status_code == 400
+    r = httpx.post(f"{fleet_url}/v1/images/generations", content=b'{"model": "\xff"}')
+    assert r.status_code == 400 and r.json()["error"]["type"] == "malformed_json"  # not UTF-8
+    r = httpx.post(f"{fleet_url}/v1/images/generations", json={"model": "sdxl"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "prompt"  # the worker's shape
     r = httpx.post(f"{fleet_url}/v1/images/generations",
                    json={"model": "sdxl", "prompt": "x", "steps": 0}, timeout=120)  # fmt: skip
     assert r.status_code == 422 and "steps" in r.json()["error"]["message"]
@@ -130,62 +139,68 @@ def test_a_request_the_pipeline_rejects_is_a_4xx_and_marks_no_worker_down(fleet_
     assert _post(fleet_url, "sd3").status_code == 200  # and the fleet serves on
 
 
-def test_the_router_marks_down_only_for_transport_failures_and_5xx():
-    from ray.exceptions import ActorDiedError, RayTaskError
+def test_the_fleet_answers_the_workers_routes(fleet_url, store):
+    import io
 
-    from nostall.serve.fleet import failure_status, route_outcome
-
-    assert route_outcome(None) == (True, True)  # the call failed: down, next worker
-    assert route_outcome(503) == (True, True)  # cannot take it now: down, next worker
-    assert route_outcome(500) == (True, False)  # failed it: down, the error goes back
-    for status in (400, 404, 408, 413, 422, 429):
-        assert route_outcome(status) == (False, False)  # unchanged to the client
-    assert failure_status(ActorDiedError()) is None  # transport
-    raised = RayTaskError("generate", "Traceback ...", ValueError("x")).as_instanceof_cause()
-    assert failure_status(raised) == 500  # the worker's own code raised
-
-
-def test_worker_failures_are_answered_as_the_worker_app_answers_them():
+    import av
     import torch
+    from diffusers import AutoencoderKLWan
+    from safetensors.torch import save
 
-    from nostall.errors import (
-        ArgumentError,
-        BudgetExceeded,
-        QueueFull,
-        ShuttingDown,
-        UnknownModel,
+    vae = AutoencoderKLWan.from_pretrained(str(store / "wan" / "vae"))
+    z = torch.randn(1, vae.config.z_dim, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    r = httpx.post(
+        f"{fleet_url}/v1/videos/decode",
+        params={"model": "wan", "fps": 8},
+        content=save({"latents": z}),
+        timeout=300,
     )
-    from nostall.serve.fleet import error_answer
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "video/mp4" and r.headers["x-nostall-frames"] == "9"
+    assert "decode;dur=" in r.headers["server-timing"] and "x-nostall-worker" in r.headers
+    with av.open(io.BytesIO(r.content)) as f:
+        assert sum(1 for _ in f.decode(video=0)) == 9
+    bad = httpx.post(
+        f"{fleet_url}/v1/videos/decode",
+        params={"model": "wan"},
+        content=save({"latents": torch.cat([z, z])}),
+        timeout=120,
+    )
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "latents"
+    assert (
+        httpx.post(
+            f"{fleet_url}/v1/videos/decode",
+            params={"model": "wan"},
+            content=b"not safetensors",
+            timeout=120,
+        ).status_code
+        == 400
+    )
+    assert httpx.get(f"{fleet_url}/readyz").json()["ready"]
+    page = httpx.get(f"{fleet_url}/")
+    assert page.status_code == 200 and "nostall fleet" in page.text and "worker" in page.text
+    assert httpx.get(f"{fleet_url}/status.json").json()["workers"]
+    metrics = httpx.get(f"{fleet_url}/metrics").text
+    assert 'nostall_fleet_requests_total{endpoint="videos",status="200"}' in metrics
+    assert 'nostall_fleet_worker_up{worker="0"} 1.0' in metrics
+    workers = httpx.get(f"{fleet_url}/fleet").json()["workers"]
+    assert [w["down"] for w in workers] == [False, False]  # the 4xx marked nobody down
 
-    def status(e):
-        return error_answer(e)[0]
 
-    assert status(UnknownModel("no model 'x'", name="x", available=["flux"], close=[])) == 404
-    assert status(ValueError("height above pos_embed_max_size")) == 422  # the pipeline's
-    assert status(QueueFull("full")) == 429 and error_answer(QueueFull("full"))[2] == {
-        "Retry-After": "1"
-    }
-    assert status(ShuttingDown("bye")) == 503
-    oom = torch.OutOfMemoryError("CUDA out of memory")
-    assert status(oom) == 503 and "Retry-After" in error_answer(oom)[2]
-    no_room = BudgetExceeded("tier", tier="gpu", requested=2, budget=1, in_use=0)
-    assert status(no_room) == 503
-    assert status(RuntimeError("a bug")) == 500
-    field = ArgumentError("steps=0: give 1 to 150")
-    field.field, field.allowed = "steps", range(1, 151)  # (set as newer errors carry them)
-    code, error, _ = error_answer(field)
-    assert code == 422 and error["field"] == "steps" and error["allowed"] == "range(1, 151)"
+def test_control_image_bombs_are_422_and_take_no_worker_down(fleet_url, controlnets):
+    import base64
 
+    from PIL import Image
 
-def test_route_cost_orders_gpu_host_disk_then_queue():
-    from nostall.serve.fleet import _tier, route_cost
-
-    gb = 10**9
-    assert route_cost("gpu", 30 * gb, 0, 2.0) == 0
-    assert 0 < route_cost("host", 30 * gb, 0, 2.0) < route_cost("disk", 30 * gb, 0, 2.0)
-    # a busy worker that holds the model can lose to an idle one with it in host memory
-    assert route_cost("gpu", 30 * gb, 3, 2.0) > route_cost("host", 30 * gb, 0, 2.0)
-    assert _tier(["gpu", "host"]) == "host" and _tier(None) == "disk" and _tier(["gpu"]) == "gpu"
+    buf = io.BytesIO()
+    Image.new("L", (9000, 9000)).save(buf, "PNG")
+    control = {"name": "edges", "image": base64.b64encode(buf.getvalue()).decode()}
+    body = {"model": "sdxl", "prompt": "x", "size": "32x32", "steps": 2, "controlnet": control}
+    for _ in range(3):  # three took both workers down
+        r = httpx.post(f"{fleet_url}/v1/images/generations", json=body, timeout=120)
+        assert r.status_code == 422 and r.json()["error"]["field"] == "controlnet.image", r.text
+    workers = httpx.get(f"{fleet_url}/fleet").json()["workers"]
+    assert [w["down"] for w in workers] == [False, False]
 
 
 def test_a_worker_killed_mid_request_is_retried_on_the_other(fleet_url):
@@ -213,19 +228,3 @@ def test_a_worker_killed_mid_request_is_retried_on_the_other(fleet_url):
     r = result["r"]
     assert r.status_code == 200, r.text
     assert int(r.headers["x-nostall-worker"]) == 1 - holder  # served by the other worker
-
-
-def test_workers_of_one_host_share_its_memory_by_default():
-    from nostall.serve.fleet import worker_budgets
-
-    gb = 1 << 30
-    assert worker_budgets(2, gpu=True, options={}, limit=256 * gb) == {"host_budget": 64 * gb}
-    cpu = worker_budgets(4, gpu=False, options={"max_queue": 3}, limit=16 * gb)
-    assert cpu == {"host_budget": 2 * gb, "gpu_budget": gb, "max_queue": 3}
-    given = worker_budgets(2, gpu=True, options={"host_budget": 5}, limit=256 * gb)
-    assert given == {"host_budget": 5}  # what the user gives wins
-    small = worker_budgets(2, gpu=True, options={}, limit=256 * gb, store_bytes=3 * gb)
-    assert small == {"host_budget": 3 * gb}  # no more than the store needs
-    # One shared tier is the host's: not divided by the workers that map it.
-    shared = worker_budgets(4, gpu=True, options={"host_tier": "shared:f"}, limit=256 * gb)
-    assert shared == {"host_budget": 128 * gb, "host_tier": "shared:f"}

@@ -240,16 +240,24 @@ def test_an_oversized_head_is_refused():
         assert out.startswith(b"HTTP/1.1 400"), out[:100]
 
 
-def test_connections_beyond_the_limit_get_503():
-    with _Server(_app({}), limit_concurrency=2) as srv:
+def test_connections_beyond_the_limit_get_503_but_the_probes_are_answered():
+    with _Server(_app({}, token=None), limit_concurrency=2) as srv:
         held = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(2)]
         try:
             deadline = time.monotonic() + 10
             while len(srv.server.server_state.connections) < 2:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
-            out = _raw(srv.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            assert out.startswith(b"HTTP/1.1 503"), out[:100]
+            work = (
+                b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            )
+            out = _raw(srv.port, work)
+            assert out.startswith(b"HTTP/1.1 503") and b"too_many_connections" in out, out[:200]
+            for probe in (b"/healthz", b"/readyz"):
+                head = b"GET " + probe + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                out = _raw(srv.port, head)
+                # (the tiny app has no probe routes: 404 is its answer, not the limit's 503)
+                assert not out.startswith(b"HTTP/1.1 503"), out[:200]
         finally:
             for s in held:
                 s.close()

@@ -220,3 +220,43 @@ def test_a_decode_names_model_mode_and_fps(wan, store):
 def test_bad_limits_are_refused(kw):
     with pytest.raises(ArgumentError):
         Limits(**kw)
+
+
+def _png_declaring(width: int, height: int) -> bytes:
+    """A few hundred bytes of PNG whose header declares ``width`` x ``height`` pixels (a
+    decompression bomb's header; its pixels are never there to decode)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit greyscale
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+        + chunk(b"IEND", b"")
+    )
+
+
+@pytest.mark.parametrize("side", [9000, 40000])  # under PIL's own bomb cap, and beyond it
+def test_a_control_image_declaring_another_size_is_refused_from_its_header(side, monkeypatch):
+    import base64
+
+    from PIL import Image
+
+    from nostall.serve.requests import check_controlnet
+
+    decoded = []
+    monkeypatch.setattr(Image.Image, "load", lambda self: decoded.append(self.size))
+    image = base64.b64encode(_png_declaring(side, side)).decode()
+    with pytest.raises(ArgumentError) as e:
+        check_controlnet(
+            {"controlnet": {"name": "edges", "image": image}}, ["edges"], (512, 512), Limits()
+        )
+    assert e.value.field == "controlnet.image" and e.value.allowed == "512x512"
+    assert f"{side}x{side}" in str(e.value) or "too many pixels" in str(e.value)
+    assert decoded == []  # refused from the header: not a pixel decoded

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
 
 import typer
 
@@ -22,6 +28,16 @@ __all__ = ["embed_server", "fleet", "serve"]
 
 def _port(default: int, help: str = "Port.") -> int:
     return typer.Option(default, callback=in_range(1, 65535), help=help)
+
+
+def _grace() -> float:
+    return typer.Option(
+        30.0,
+        callback=in_range(1.0, 3600.0),
+        help="On SIGTERM/SIGINT: not ready and no new work at once; queued and running "
+        "requests go on for most of this, then get 503 (the running one at its next step); "
+        "the process has exited by then (an orchestrator's grace period: 30 s by default).",
+    )
 
 
 def _http_url(value: str | None) -> str | None:
@@ -123,14 +139,13 @@ def serve(
         callback=in_range(0.0),
         help="...nor pushed back by more than this many (estimated) seconds.",
     ),
+    grace_s: float = _grace(),
 ) -> None:
     """Serve image generation and video decoding over HTTP (OpenAI's images API shape),
     switching pipelines through the model cache. Status page at /, metrics at /metrics."""
-    import uvicorn
-
     from nostall.cache.host import parse_host_tier
     from nostall.serve.app import create_app
-    from nostall.serve.http import check_server, uvicorn_config
+    from nostall.serve.http import check_server, resolve_token, run_server, uvicorn_config
     from nostall.serve.schedule import Policy
     from nostall.serve.worker import Worker
 
@@ -141,7 +156,8 @@ def serve(
     dt = parse_dtype(dtype)
     with usage_errors("--api-token"):
         # checked (and the exposure warned of) before the worker reads a byte
-        check_server(host=host, port=port, token=api_token or None, what="the worker")
+        token = resolve_token(api_token)
+        check_server(host=host, port=port, token=token, what="the worker")
     with usage_errors():
         worker = Worker(
             models,
@@ -162,13 +178,16 @@ def serve(
     # tier (BudgetExceeded, printed as an error naming it); the app's start is then a no-op.
     worker.start()
     console.print(f"nostall worker: device budget {worker.budget.describe()}")
-    app_ = create_app(worker, token=api_token or None, time_limit=time_limit_s)
+    app_ = create_app(worker, token=token, time_limit=time_limit_s)
     config = uvicorn_config(
         app_,
         host=host,
         port=port,
-        token=api_token or None,
+        token=token,
         limit_concurrency=max_connections,
+        # once drained (Worker.drain leaves a margin), answers still being written get a
+        # moment; then they are cut
+        graceful_shutdown=min(1.0, grace_s / 20),
         warn=False,  # check_server said it
     )
     # a client that leaves, a refused body: one INFO line each
@@ -177,7 +196,7 @@ def serve(
         f"nostall worker: {len(worker.names())} pipelines on {worker.device}; "
         f"http://{host}:{port}/ (status), /v1/images/generations, /v1/videos/decode"
     )
-    uvicorn.Server(config).run()
+    run_server(config, drain=lambda done: worker.drain(grace_s, on_done=done))
 
 
 @app.command()
@@ -209,15 +228,34 @@ def fleet(
         help="Also run the embedding service (at /embed, beside a worker on its GPU); the "
         "workers encode FLUX, SDXL and SD3 prompts there and leave their text encoders out.",
     ),
+    api_token: str = typer.Option(
+        None,
+        "--api-token",
+        envvar="NOSTALL_API_TOKEN",
+        show_envvar=True,
+        help="Requests must carry 'Authorization: Bearer <token>' (the probes excepted).",
+    ),
+    time_limit_s: float = typer.Option(
+        600.0, callback=in_range(0.001), help="Seconds a request may wait for its answer (504)."
+    ),
+    grace_s: float = typer.Option(
+        30.0,
+        callback=in_range(1.0, 3600.0),
+        help="On SIGTERM/SIGINT: seconds the workers may take to stop before Ray is stopped.",
+    ),
 ) -> None:
     """Run workers on Ray Serve, one per GPU, behind a router that sends each request to
     the worker that can serve its model soonest (GPU, then host memory, then disk)."""
     # The workers' GPUs may be on other hosts of the cluster: only the kind is checked here.
     check_choices([device], ("cuda", "cpu"), "--device")
     from nostall.cache.host import parse_host_tier
+    from nostall.serve.http import check_server, resolve_token
 
     with usage_errors("--host-tier"):
         parse_host_tier(host_tier)
+    with usage_errors("--api-token"):
+        token = resolve_token(api_token)
+        check_server(host=host, port=port, token=token, what="the fleet")
     opts: dict = {"host_tier": host_tier}
     share = 1.0
     if embed:
@@ -238,16 +276,70 @@ def fleet(
 
     with usage_errors():
         app_ = build_fleet(
-            models, replicas=replicas, device=device, worker_options=opts, gpu_share=share
+            models,
+            replicas=replicas,
+            device=device,
+            worker_options=opts,
+            gpu_share=share,
+            token=token,
+            time_limit=time_limit_s,
         )
         embed_app = build_embed(models, device=device, gpu_share=1 - share) if embed else None
     ray.init(address=address, include_dashboard=False)
-    ray_serve.start(http_options={"host": host, "port": port})
-    if embed_app is not None:
-        ray_serve.run(embed_app, name="embed", route_prefix="/embed")
-        console.print(f"nostall fleet: embedding service at http://{host}:{port}/embed")
-    console.print(f"nostall fleet: {replicas} workers; http://{host}:{port}/v1/images/generations")
-    ray_serve.run(app_, name="nostall", route_prefix="/", blocking=True)
+    with _stopped_quietly("nostall fleet", grace_s):
+        ray_serve.start(http_options={"host": host, "port": port})
+        if embed_app is not None:
+            ray_serve.run(embed_app, name="embed", route_prefix="/embed")
+            console.print(f"nostall fleet: embedding service at http://{host}:{port}/embed")
+        ray_serve.run(app_, name="nostall", route_prefix="/")
+        console.print(
+            f"nostall fleet: {replicas} workers; http://{host}:{port}/ (status), "
+            "/v1/images/generations, /v1/videos/decode"
+        )
+        signal.pause()  # until SIGTERM or SIGINT (_stopped_quietly's handler)
+
+
+@contextlib.contextmanager
+def _stopped_quietly(what: str, grace: float) -> Iterator[None]:
+    """Run the body until it ends or SIGTERM/SIGINT arrive, then stop Ray Serve and Ray
+    with one line: no stack dump for a signal an orchestrator sends as a matter of course."""
+    import ray
+    from ray import serve as ray_serve
+
+    class _Stop(Exception):
+        def __init__(self, sig: int):
+            self.sig = sig
+
+    def stop(sig: int, frame: Any) -> None:
+        raise _Stop(sig)
+
+    watched = (signal.SIGTERM, signal.SIGINT)
+    before = {s: signal.signal(s, stop) for s in watched}
+    sig = None
+    try:
+        yield
+    except _Stop as e:
+        sig = e.sig
+    except KeyboardInterrupt:
+        sig = signal.SIGINT
+    finally:
+        for s in watched:
+            signal.signal(s, signal.SIG_IGN)  # (no second stack dump while stopping)
+        why = "ended" if sig is None else signal.Signals(sig).name
+        console.print(f"{what}: {why}; stopping the workers (at most {grace:g} s)")
+        # Serve's own shutdown lets the workers finish what they run; it can hang on a
+        # cluster whose processes got the signal too (a terminal's Ctrl-C reaches the
+        # whole process group): bounded, then Ray is stopped regardless.
+        stopping = threading.Thread(target=ray_serve.shutdown, daemon=True)
+        stopping.start()
+        stopping.join(grace)
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        console.print(f"{what}: stopped")
+    if sig is not None:
+        sys.exit(128 + sig)  # the shell's convention for "ended by a signal"
 
 
 @app.command("embed-server")
@@ -281,16 +373,20 @@ def embed_server(
         show_envvar=True,
         help="Requests must carry 'Authorization: Bearer <token>' (the probes excepted).",
     ),
+    grace_s: float = typer.Option(
+        30.0,
+        callback=in_range(1.0, 3600.0),
+        help="On SIGTERM/SIGINT: seconds open requests may take to finish before they are cut.",
+    ),
 ) -> None:
     """Serve the store's text encoders (T5, UMT5, CLIP): unpooled and pooled embeddings as
     safetensors, dynamic batching, an exact-match cache."""
-    import uvicorn
-
     from nostall.serve.embed import EmbeddingService, create_embed_app
-    from nostall.serve.http import check_server, uvicorn_config
+    from nostall.serve.http import check_server, resolve_token, run_server, uvicorn_config
 
     dt = parse_dtype(dtype)
-    token = api_token or None
+    with usage_errors("--api-token"):
+        token = resolve_token(api_token)
     with usage_errors():  # the token and the address before a model is read
         check_server(host=host, port=port, token=token, what="the embedding service")
         service = EmbeddingService(
@@ -305,7 +401,9 @@ def embed_server(
             max_texts=min(256, max_queue),  # a request must fit the queue
         )
         app_ = create_embed_app(service, api_token=token)
-        config = uvicorn_config(app_, host=host, port=port, token=token, warn=False)
+        config = uvicorn_config(
+            app_, host=host, port=port, token=token, graceful_shutdown=int(grace_s), warn=False
+        )
     console.print(
         f"nostall embeddings: {len(service.names())} encoders on {service.device}; "
         f"POST http://{host}:{port}/v1/embeddings"
@@ -316,4 +414,4 @@ def embed_server(
             f"loaded: a worker on this GPU leaves them out with --embed-budget-gb "
             f"{service.encoder_bytes / 1e9 + 0.01:.2f}"
         )
-    uvicorn.Server(config).run()
+    run_server(config)

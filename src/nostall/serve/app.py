@@ -10,7 +10,8 @@
     answers ``{"created", "data": [{"b64_json"}], "nostall": {...}}`` or the PNG bytes.
 ``POST /v1/videos/decode?model=&fps=&mode=&denormalize=``  body: safetensors bytes
     holding ``latents`` (1, C, T, h, w); answers the MP4.
-``GET /v1/models``, ``/healthz``, ``/readyz``, ``/metrics`` (Prometheus), ``/`` (status).
+``GET /v1/models``, ``/healthz``, ``/readyz`` (both 503 once the worker drains,
+:meth:`~nostall.serve.worker.Worker.drain`), ``/metrics`` (Prometheus), ``/`` (status).
 
 Every answer to a generation or decode carries the phase times in a ``Server-Timing``
 header (milliseconds, what browsers' developer tools show) and ``X-Nostall-*`` headers,
@@ -21,8 +22,11 @@ too large (refused from its ``Content-Length`` before it is read), 422 a value t
 pipeline cannot take — checked before queueing against the pipeline's own limits
 (:mod:`nostall.serve.requests`), or refused by the pipeline as it ran — with ``field``
 and ``allowed``, 429 queue full (``Retry-After``), 503 shutting down, out of device
-memory twice (``Retry-After``) or a pipeline left out at start (the reason), 504 no
-answer within the request time limit, 500 anything else (the worker keeps serving).
+memory twice (``Retry-After``), a pipeline left out at start (the reason) or too many
+connections, 504 no answer within the request time limit, 500 anything else (the worker
+keeps serving); the mapping is :func:`nostall.serve.answers.error_answer`, the fleet's
+too. Parsing a body and checking it (a control image's declared size before its pixels
+are decoded) run off the event loop, so the probes are answered meanwhile.
 Network-facing guards come from :mod:`nostall.serve.http`.
 """
 
@@ -30,10 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import html
-import json
 import logging
-import math
 import time
 from contextlib import asynccontextmanager
 from typing import Any, Literal
@@ -41,19 +42,15 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
-from nostall.errors import (
-    ArgumentError,
-    BudgetExceeded,
-    DeviceBusy,
-    LatentsError,
-    NostallError,
-    UnknownModel,
-)
+from nostall.errors import ArgumentError, NostallError, UnknownModel
+from nostall.serve.answers import answer as error_answer
+from nostall.serve.answers import read_body, schema_error, timing_headers
 from nostall.serve.http import error_response, harden
+from nostall.serve.pages import worker_page
 from nostall.serve.results import Result
-from nostall.serve.worker import Cancelled, QueueFull, ShuttingDown, Worker
+from nostall.serve.worker import Worker
 
 __all__ = ["create_app"]
 
@@ -110,39 +107,10 @@ class ImageBody(BaseModel):
 _error = error_response
 
 
-def _invalid(e: ArgumentError) -> JSONResponse:
-    """A 422 naming the field at fault and what it allows, where the error says."""
-    extra: dict[str, Any] = {}
-    if getattr(e, "field", None) is not None:
-        extra["field"] = e.field
-        extra["allowed"] = e.allowed
-    return _error(422, "invalid_value", str(e), **extra)
-
-
 def _settled(f: asyncio.Future) -> None:
     """Read the outcome of a job whose client left (asyncio logs one nobody read)."""
     if not f.cancelled():
         f.exception()
-
-
-def _schema_error(e: ValidationError | Any) -> JSONResponse:
-    """A 422 for a body or query that does not fit the schema (first problem named)."""
-    first = e.errors()[0]
-    loc = [str(x) for x in first["loc"] if x not in ("body", "query")]
-    where = ".".join(loc) or "body"
-    got = f" (got {first['input']!r})" if "input" in first and loc else ""
-    return _error(422, "invalid_value", f"{where}: {first['msg']}{got}", field=where)
-
-
-def _timing_headers(result: Result) -> dict[str, str]:
-    timing = ", ".join(f"{k};dur={v * 1e3:.1f}" for k, v in result.phases.items())
-    headers = {"Server-Timing": timing}
-    for k, v in result.phases.items():
-        headers[f"X-Nostall-{k.capitalize()}-S"] = f"{v:.4f}"
-    tiers = sorted({c["tier"] for c in result.switch.get("components", [])})
-    if tiers:
-        headers["X-Nostall-Switch-Tiers"] = ",".join(tiers)
-    return headers
 
 
 def create_app(
@@ -190,7 +158,7 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def bad_query(request: Request, e: RequestValidationError) -> Response:
-        return _schema_error(e)
+        return schema_error(e)
 
     def answer(endpoint: str, model: str, resp: Response, t0: float) -> Response:
         m.answered(endpoint, model, resp.status_code, time.perf_counter() - t0, worker.names())
@@ -205,17 +173,19 @@ def create_app(
     def unknown(model: str) -> Response:
         return _error(404, "unknown_model", f"no model {model!r}", models=worker.names())
 
+    def refused(e: Exception, model: str) -> Response:
+        """The answer to a request that failed before or while its job ran."""
+        if isinstance(e, UnknownModel):
+            return unknown(model)
+        if not isinstance(e, (NostallError, ValueError)):  # a bug: its traceback, once
+            log.error("%s: %s", model, e, exc_info=e)
+        return error_answer(e, model=model)
+
     async def run(request: Request, job) -> Result | Response:
         try:
             future, gone = worker.submit(job)
-        except UnknownModel:
-            return unknown(job.model)
-        except QueueFull as e:
-            wait = e.retry_after if e.retry_after is not None else 1.0  # the queue's estimate
-            return _error(429, "queue_full", str(e), retry_after_s=round(wait, 3),
-                          headers={"Retry-After": str(max(1, math.ceil(wait)))})  # fmt: skip
-        except ShuttingDown as e:
-            return _error(503, "shutting_down", str(e))
+        except Exception as e:  # queue full, shutting down, unknown model
+            return refused(e, job.model)
         waiting = asyncio.ensure_future(asyncio.wrap_future(future))
         try:
             while not waiting.done():
@@ -232,52 +202,38 @@ def create_app(
             raise
         try:
             return waiting.result()
-        except ArgumentError as e:
-            return _invalid(e)
-        except LatentsError as e:  # the decoder's own checks, as it ran
-            return _error(422, "invalid_value", str(e), field="latents")
-        except (ShuttingDown, Cancelled) as e:
-            return _error(503, "shutting_down", str(e))
-        except BudgetExceeded as e:
-            return _error(503, "no_room", str(e), headers={"Retry-After": "5"})
-        except DeviceBusy as e:  # out of device memory twice: the worker carries on
-            wait = str(max(1, math.ceil(e.retry_after)))
-            return _error(503, "device_busy", str(e), headers={"Retry-After": wait})
-        except NostallError as e:
-            return _error(500, type(e).__name__, str(e))
-        except ValueError as e:  # the pipeline refused what it was given (check_inputs)
-            return _error(422, "rejected_by_pipeline", f"{job.model}: {e}")
         except Exception as e:  # the worker thread survived it; say what happened
-            return _error(500, type(e).__name__, f"{type(e).__name__}: {e}")
+            return refused(e, job.model)
+
+    def image_job(raw: bytes) -> tuple[Any, Any]:
+        """``(body, job)`` from an images body, or ``(body, answer)`` for one that is
+        refused (``body`` is ``None`` when it does not parse). Runs off the event loop:
+        parsing a large body and decoding a control image take CPU time the loop must
+        not wait for (its probes would)."""
+        body = read_body(raw, ImageBody)
+        if isinstance(body, Response):
+            return None, body
+        if body.n != 1:
+            return body, _error(422, "invalid_value", "n: only 1", field="n", allowed=[1])
+        left_out = unavailable(body.model)
+        if left_out is not None:
+            return body, left_out
+        try:
+            return body, worker.image_job(body.model_dump(exclude_none=True))
+        except Exception as e:
+            return body, refused(e, body.model)
 
     @app.post("/v1/images/generations")
     async def generations(request: Request) -> Response:
         t0 = time.perf_counter()
         raw = await request.body()
-        try:
-            body = ImageBody.model_validate(json.loads(raw))
-        except ValidationError as e:
-            return answer("images", "-", _schema_error(e), t0)
-        except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, or nested too deep
-            why = "nested too deep" if isinstance(e, RecursionError) else str(e)
-            bad = _error(400, "malformed_json", f"body is not JSON: {why}")
-            return answer("images", "-", bad, t0)
-        if body.n != 1:
-            bad = _error(422, "invalid_value", "n: only 1", field="n", allowed=[1])
-            return answer("images", body.model, bad, t0)
-        refused = unavailable(body.model)
-        if refused is not None:
-            return answer("images", body.model, refused, t0)
-        try:
-            job = worker.image_job(body.model_dump(exclude_none=True))
-        except UnknownModel:
-            return answer("images", body.model, unknown(body.model), t0)
-        except ArgumentError as e:
-            return answer("images", body.model, _invalid(e), t0)
+        body, job = await asyncio.to_thread(image_job, raw)
+        if isinstance(job, Response):
+            return answer("images", body.model if body else "-", job, t0)
         out = await run(request, job)
         if isinstance(out, Response):
             return answer("images", body.model, out, t0)
-        headers = _timing_headers(out)
+        headers = timing_headers(out.phases, out.switch)
         if body.response_format == "png":
             resp = Response(out.body, media_type="image/png", headers=headers)
         else:
@@ -311,9 +267,9 @@ def create_app(
 
         t0 = time.perf_counter()
         # everything the query decides, before a byte of the latents is read
-        refused = unavailable(model)
-        if refused is not None:
-            return answer("videos", model, refused, t0)
+        left_out = unavailable(model)
+        if left_out is not None:
+            return answer("videos", model, left_out, t0)
         try:
             check_video_target(worker.rules.video(model), worker.limits, fps=fps, mode=mode)
         except UnknownModel:
@@ -321,25 +277,30 @@ def create_app(
         except ArgumentError as e:
             if e.field == "model":
                 e.allowed = worker.rules.serving("video", worker.names())
-            return answer("videos", model, _invalid(e), t0)
+            return answer("videos", model, error_answer(e), t0)
         raw = await request.body()  # at most max_latent_bytes: BodyLimit saw to it
-        try:
-            tensors = load_safetensors(raw)
-        except Exception as e:
-            msg = f"body is not a safetensors file ({e})"
-            return answer("videos", model, _error(400, "malformed_body", msg), t0)
-        z = tensors.get("latents")
-        if z is None:
-            msg = f"the safetensors body holds {sorted(tensors)}, not 'latents'"
-            return answer("videos", model, _error(422, "invalid_value", msg, field="latents"), t0)
-        try:
-            job = worker.video_job(model, z, fps=fps, mode=mode, denormalize=denormalize)
-        except ArgumentError as e:
-            return answer("videos", model, _invalid(e), t0)
+
+        def video_job() -> Any:  # off the event loop: parsing and checking 128 MB of latents
+            try:
+                tensors = load_safetensors(raw)
+            except Exception as e:
+                return _error(400, "malformed_body", f"body is not a safetensors file ({e})")
+            z = tensors.get("latents")
+            if z is None:
+                msg = f"the safetensors body holds {sorted(tensors)[:20]}, not 'latents'"
+                return _error(422, "invalid_value", msg, field="latents")
+            try:
+                return worker.video_job(model, z, fps=fps, mode=mode, denormalize=denormalize)
+            except Exception as e:
+                return refused(e, model)
+
+        job = await asyncio.to_thread(video_job)
+        if isinstance(job, Response):
+            return answer("videos", model, job, t0)
         out = await run(request, job)
         if isinstance(out, Response):
             return answer("videos", model, out, t0)
-        headers = _timing_headers(out)
+        headers = timing_headers(out.phases, out.switch)
         headers["X-Nostall-Frames"] = str(out.info["frames"])
         return answer(
             "videos", model, Response(out.body, media_type="video/mp4", headers=headers), t0
@@ -357,14 +318,16 @@ def create_app(
         return {"object": "list", "data": data}
 
     @app.get("/healthz")
-    async def healthz() -> dict:
-        return {"status": "ok"}
+    async def healthz() -> Response:
+        if worker.draining:  # SIGTERM: a load balancer should stop sending work here
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/readyz")
     async def readyz() -> Response:
         if worker.ready:
             return JSONResponse({"ready": True})
-        return JSONResponse({"ready": False}, status_code=503)
+        return JSONResponse({"ready": False, "draining": worker.draining}, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -374,55 +337,10 @@ def create_app(
 
     @app.get("/", response_class=HTMLResponse)
     async def status_page() -> str:
-        return _status_html(worker.status())
+        return worker_page(worker.status())
 
     @app.get("/status.json")
     async def status_json() -> dict:
         return worker.status()
 
     return app
-
-
-def _status_html(s: dict[str, Any]) -> str:
-    e = html.escape
-
-    def gb(n: int) -> str:
-        return f"{n / 1e9:.2f} GB"
-
-    left_out = s.get("unavailable", {})
-    rows = "".join(
-        f"<tr><td>{e(name)}</td><td>{e(', '.join(tiers))}</td></tr>"
-        for name, tiers in s["models"].items()
-        if name not in left_out
-    )
-    rows += "".join(
-        f"<tr><td>{e(name)}</td><td><b>unavailable</b>: {e(why)}</td></tr>"
-        for name, why in left_out.items()
-    )
-    phases = sorted({p for r in s["recent"] for p in r["phases"]})
-    head = "".join(f"<th>{e(p)} (s)</th>" for p in phases)
-    recent = "".join(
-        "<tr>"
-        + f"<td>{e(r['at'])}</td><td>{e(r['kind'])}</td><td>{e(r['model'])}</td>"
-        + f"<td>{e(', '.join(r['tiers']))}</td>"
-        + "".join(f"<td>{r['phases'].get(p, 0):.3f}</td>" for p in phases)
-        + "</tr>"
-        for r in s["recent"]
-    )
-    return f"""<!doctype html><html><head><meta charset="utf-8"><title>nostall worker</title>
-<meta http-equiv="refresh" content="5">
-<style>body{{font-family:system-ui,sans-serif;margin:2em}}table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:.25em .6em;text-align:left}}</style></head><body>
-<h1>nostall worker</h1>
-<p>device <b>{e(s["device"])}</b> · {"ready" if s["ready"] else "not ready"} ·
-up {s["uptime_s"]:.0f} s · running: {e(s["running"] or "nothing")} ·
-queued: {len(s["queue"])}</p>
-<h2>Tiers</h2>
-<table><tr><th>tier</th><th>resident</th><th>budget</th></tr>
-<tr><td>GPU</td><td>{gb(s["gpu"]["bytes"])}</td><td>{gb(s["gpu"]["budget"])}</td></tr>
-<tr><td>pinned host</td><td>{gb(s["host"]["bytes"])}</td><td>{gb(s["host"]["budget"])}</td></tr>
-</table>
-<h2>Models</h2><table><tr><th>model</th><th>where its components are</th></tr>{rows}</table>
-<h2>Recent requests</h2>
-<table><tr><th>at</th><th>kind</th><th>model</th><th>switch from</th>{head}</tr>{recent}</table>
-</body></html>"""

@@ -12,12 +12,13 @@ why the worker batches only when asked (:class:`~nostall.serve.schedule.Policy`)
 from __future__ import annotations
 
 import inspect
+import threading
 import time
 from typing import Any
 
 import torch
 
-from nostall.errors import ArgumentError
+from nostall.errors import ArgumentError, ShuttingDown
 
 __all__ = ["PhaseClock", "batch_arguments", "cat_embeds", "image_kwargs", "sync"]
 
@@ -84,13 +85,19 @@ class PhaseClock:
 
     On CUDA the hooks record events on the current stream (no synchronisation inside
     the call: the GPU's queue keeps running) and :meth:`phases` reads them after the
-    caller's one synchronisation at the end; elsewhere they read the clock."""
+    caller's one synchronisation at the end; elsewhere they read the clock.
+
+    ``stop``: an event that, once set, ends the call at its next denoiser step with
+    :class:`~nostall.errors.ShuttingDown` (a worker that drains).
+    """
 
     _TEXT = ("text_encoder", "text_encoder_2", "text_encoder_3")
     _DENOISE = ("transformer", "unet")
 
-    def __init__(self, pipe: Any, device: torch.device):
+    def __init__(self, pipe: Any, device: torch.device, *, stop: threading.Event | None = None):
         self.cuda = device.type == "cuda"
+        self.stop = stop
+        self.steps = 0  # denoiser calls begun
         self.start_s = time.perf_counter()
         self.start = self._mark()
         self.text: list[tuple[Any, Any]] = []  # (begin, end) marks per encoder call
@@ -126,6 +133,12 @@ class PhaseClock:
         self.text.append((self._open, self._mark()))
 
     def _denoise_in(self, module, args) -> None:
+        if self.stop is not None and self.stop.is_set():
+            raise ShuttingDown(
+                f"the worker is shutting down: the job was stopped after {self.steps} "
+                "denoiser calls"
+            )
+        self.steps += 1
         if self.first is None:
             self.first = self._mark()
 

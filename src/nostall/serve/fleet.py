@@ -21,11 +21,20 @@ speed, one that must read it for the disk's. So this fleet routes itself:
   reached) or answers 503 (no room, out of device memory, shutting down) is marked down
   for a while (its ``Retry-After``, else ``down_s``) and the request is retried on the
   next cheapest one; one that answers another 5xx is marked down and its answer goes
-  back (a request that broke one worker is not tried on all of them). A 4xx is the
-  request's own fault: it goes back to the client unchanged, and no worker is marked
-  down (:func:`route_outcome`). Each worker answers every failure of a job as a status
-  (:func:`error_answer`, the worker app's mapping), so a request the pipeline rejects is
-  a 422, never a dead replica.
+  back (a request that broke one worker is not tried on all of them). A 4xx, or any
+  failure while the worker checked the request, is the request's own fault: it goes back
+  to the client unchanged, and no worker is marked down
+  (:func:`~nostall.serve.routing.route_outcome`). Each worker answers every failure as a
+  status (:func:`~nostall.serve.answers.error_answer`, the worker app's mapping), so a
+  request the pipeline rejects is a 422, never a dead replica.
+
+The router answers the worker app's routes (:mod:`nostall.serve.app`) with its error
+shape: ``POST /v1/images/generations``, ``POST /v1/videos/decode`` (routed like images,
+to the worker where the pipeline's VAE is), ``GET /v1/models``, ``/healthz``,
+``/readyz`` (503 while every worker is down), ``/metrics`` (the router's Prometheus
+metrics: answers, latency, routes, workers up and in flight), ``/`` (a status page) and
+``/status.json``, plus ``/fleet`` (its routing state); behind the same token, body and
+time limits (:func:`~nostall.serve.http.harden`).
 
 The embedding service (:mod:`nostall.serve.embed`) runs as a second application,
 :func:`build_embed`, under the route prefix ``/embed``; the workers are given its URL
@@ -41,7 +50,7 @@ worker per GPU wherever the GPUs are; the router and the HTTP proxy run on the h
 Each worker's cache reads the store from its own node (a shared file system or a copy
 per node).
 
-Memory: unless ``worker_options`` set them, each worker's pinned host tier is half the
+Memory (:func:`~nostall.serve.routing.worker_budgets`): unless ``worker_options`` set them, each worker's pinned host tier is half the
 host's memory limit divided by ``replicas``, or what the store needs there if less (and on
 CPU workers the device tier a quarter of the limit, likewise divided), so the workers of
 one host together take what one worker alone would. On a cluster, pass ``host_budget``
@@ -58,160 +67,21 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from nostall.errors import ArgumentError, NostallError
+from nostall.errors import ArgumentError
+from nostall.serve.routing import (
+    REQUEST_S,
+    failure_status,
+    route_cost,
+    route_outcome,
+    slowest_tier,
+    worker_budgets,
+)
 
-__all__ = [
-    "build_embed",
-    "build_fleet",
-    "error_answer",
-    "failure_status",
-    "route_cost",
-    "route_outcome",
-    "worker_budgets",
-]
+__all__ = ["build_embed", "build_fleet"]
 
 log = logging.getLogger(__name__)
-
-# What a switch costs per byte, by the tier the bytes come from (seconds per byte).
-# H200 figures (docs/BENCHMARKS.md): host tier → GPU 54 GB/s; page cache ~34 GB/s;
-# a cold read far less. Only their order matters much: gpu < host < disk.
-_SECONDS_PER_BYTE = {"gpu": 0.0, "device": 0.0, "host": 1 / 50e9, "disk": 1 / 5e9}
-_REQUEST_S = 2.0  # the estimated time of one queued request, until measured
-
-
-def route_cost(tier: str, nbytes: int, in_flight: int, request_s: float) -> float:
-    """Estimated seconds until a worker could finish switching to a pipeline: its switch
-    (``nbytes`` from ``tier``) after the ``in_flight`` requests it already has."""
-    return nbytes * _SECONDS_PER_BYTE.get(tier, _SECONDS_PER_BYTE["disk"]) + in_flight * request_s
-
-
-def route_outcome(status: int | None) -> tuple[bool, bool]:
-    """What the router does after a worker failed a request: ``(mark it down, try the
-    next worker)``. ``status`` is the worker's answer, or None when the call itself failed
-    (the replica died or cannot be reached).
-
-    >>> route_outcome(None), route_outcome(503), route_outcome(500), route_outcome(422)
-    ((True, True), (True, True), (True, False), (False, False))
-    """
-    if status is None or status == 503:  # gone, or cannot take it now: another may
-        return True, True
-    if status >= 500:  # it failed the job: down for a while, and the error goes back
-        return True, False
-    return False, False  # the request's own fault: back to the client unchanged
-
-
-def failure_status(e: BaseException) -> int | None:
-    """The status of a worker call that raised: None for a transport failure (the replica
-    died, was unreachable, or Ray Serve could not place the call), 500 for an exception
-    the worker's own code raised (answered as such: a bug, not a dead replica)."""
-    from ray.exceptions import RayActorError, RayTaskError
-
-    if isinstance(e, RayTaskError) and not isinstance(e, RayActorError):
-        return 500
-    return None
-
-
-def error_answer(e: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
-    """``(status, error, headers)`` for a job that failed with ``e``, as the worker app
-    answers it (:mod:`nostall.serve.app`): 404 unknown model, 422 a value the request or
-    the pipeline refused (with ``field`` and ``allowed`` where the error names them), 429
-    queue full, 503 shutting down, no room or out of device memory (with
-    ``Retry-After``), 500 anything else. ``error`` is the JSON ``{"type", "message", ...}``.
-
-    >>> error_answer(ValueError("height 4096 above 3072"))[:2]
-    (422, {'type': 'rejected_by_pipeline', 'message': 'height 4096 above 3072'})
-    """
-    import json
-    import math
-
-    from nostall.errors import (
-        BudgetExceeded,
-        Cancelled,
-        QueueFull,
-        ServeError,
-        ShuttingDown,
-        UnknownModel,
-    )
-
-    def retry(default: float) -> dict[str, str]:
-        wait = getattr(e, "retry_after", None) or default
-        return {"Retry-After": str(max(1, math.ceil(wait)))}
-
-    def err(kind: str, message: str | None = None) -> dict[str, Any]:
-        return {"type": kind, "message": str(e) if message is None else message}
-
-    if isinstance(e, UnknownModel):
-        return 404, err("unknown_model"), {}
-    if isinstance(e, QueueFull):
-        return 429, err("queue_full"), retry(1)
-    if isinstance(e, ArgumentError):
-        out = err("invalid_value")
-        if getattr(e, "field", None) is not None:
-            allowed = getattr(e, "allowed", None)
-            try:
-                json.dumps(allowed)
-            except (TypeError, ValueError):
-                allowed = str(allowed)
-            out.update(field=e.field, allowed=allowed)
-        return 422, out, {}
-    if isinstance(e, (ShuttingDown, Cancelled)):
-        return 503, err("shutting_down"), {}
-    if isinstance(e, BudgetExceeded):
-        return 503, err("no_room"), retry(5)
-    if isinstance(e, ServeError) and getattr(e, "retry_after", None) is not None:
-        return 503, err("device_busy"), retry(5)  # out of device memory twice
-    if type(e).__name__ == "OutOfMemoryError":  # torch's, where a worker lets it through
-        return 503, err("out_of_memory", f"OutOfMemoryError: {e}"), retry(5)
-    if isinstance(e, ValueError):  # the pipeline refused what it was given (check_inputs)
-        return 422, err("rejected_by_pipeline"), {}
-    if isinstance(e, NostallError):
-        return 500, err(type(e).__name__), {}
-    return 500, err(type(e).__name__, f"{type(e).__name__}: {e}"), {}
-
-
-def _tier(tiers: list[str] | None) -> str:
-    """The slowest tier any of a pipeline's components is in (what its switch waits for)."""
-    if not tiers:
-        return "disk"
-    for t in ("disk", "host", "device", "gpu"):
-        if t in tiers:
-            return t
-    return "disk"
-
-
-def worker_budgets(
-    replicas: int,
-    *,
-    gpu: bool,
-    options: dict[str, Any],
-    limit: int | None = None,
-    store_bytes: int | None = None,
-    embed_bytes: int = 0,
-) -> dict[str, Any]:
-    """One worker's options: ``options``, with the host tier (and on a CPU the device
-    tier) defaulting to the one-worker default divided by ``replicas`` (the host tier
-    not divided when ``options`` name a shared one, ``host_tier="shared:NAME"``: every
-    worker of the host maps the same); the host tier no
-    larger than ``store_bytes``, what the store takes there
-    (:func:`nostall.cache.host.store_bytes`). On GPUs, ``embed_bytes``: what an embedding
-    service sharing a worker's GPU takes there (its encoders,
-    :func:`~nostall.serve.budget.text_encoder_bytes`); each worker's device budget leaves
-    it out (``external``), since Ray may put the service beside any of them, unless
-    ``options`` give the device tier."""
-    from nostall.memory.host import memory_limit
-
-    limit = limit or memory_limit()[0] or (16 << 30)
-    # One shared host tier (host_tier="shared:NAME") is the host's: not divided.
-    shared = str(options.get("host_tier") or "").startswith("shared:")
-    host = limit // 2 // (1 if shared else replicas)
-    out: dict[str, Any] = {"host_budget": host if store_bytes is None else min(host, store_bytes)}
-    if not gpu:
-        out["gpu_budget"] = limit // 4 // replicas
-    elif embed_bytes and "gpu_budget" not in options:
-        out["external"] = embed_bytes
-    return {**out, **options}
 
 
 def build_embed(
@@ -255,12 +125,18 @@ def build_fleet(
     worker_options: dict[str, Any] | None = None,
     down_s: float = 30.0,
     gpu_share: float = 1.0,
+    token: str | None = None,
+    time_limit: float | None = 600.0,
 ):
     """The Ray Serve application: ``replicas`` workers and the routing ingress. Run it
     with ``serve.run(build_fleet(...))``. ``gpu_share``: the GPU fraction each worker
     asks Ray for (below 1 when the embedding service shares a GPU; more than half keeps
-    one worker per GPU)."""
+    one worker per GPU). ``token`` and ``time_limit``: as the worker app's
+    (:func:`~nostall.serve.app.create_app`)."""
     from ray import serve
+
+    from nostall.serve.http import harden
+    from nostall.serve.requests import Limits
 
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ArgumentError(f"replicas={replicas!r}: give one or more workers")
@@ -268,6 +144,7 @@ def build_fleet(
         raise ArgumentError(f"gpu_share={gpu_share!r} must be in (0.5, 1]: one worker per GPU")
     gpus = gpu_share if device.startswith("cuda") else 0
     opts = dict(worker_options or {})
+    limits = opts.get("limits") or Limits()
 
     @serve.deployment(num_replicas=1, ray_actor_options={"num_gpus": gpus, "num_cpus": 1})
     class FleetWorker:
@@ -290,21 +167,64 @@ def build_fleet(
             self.worker = Worker(store, device=device, **budgets).start()
 
         async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
+            model = body.get("model")
             try:
                 job = self.worker.image_job(body)
+            except Exception as e:  # checking the request: whatever it raised, its fault
+                return self._failed(e, model, fault="request")
+            out = await self._run(job)
+            if "error" in out:
+                return out
+            return {"png": out["result"].body, "seed": out["result"].info["seed"], **out["info"]}
+
+        async def decode(
+            self, model: str, raw: bytes, fps: float, mode: str, denormalize: bool
+        ) -> dict[str, Any]:
+            from safetensors.torch import load
+
+            try:
+                tensors = load(raw)
+            except Exception as e:
+                why = {"type": "malformed_body", "message": f"body is not a safetensors file ({e})"}
+                return {"status": 400, "error": why, "headers": {}, "fault": "request"}
+            try:
+                if "latents" not in tensors:
+                    raise ArgumentError(
+                        f"the safetensors body holds {sorted(tensors)[:20]}, not 'latents'",
+                        field="latents",
+                    )
+                job = self.worker.video_job(
+                    model, tensors["latents"], fps=fps, mode=mode, denormalize=denormalize
+                )
+            except Exception as e:
+                return self._failed(e, model, fault="request")
+            out = await self._run(job)
+            if "error" in out:
+                return out
+            result = out["result"]
+            return {"mp4": result.body, "frames": result.info["frames"], **out["info"]}
+
+        async def _run(self, job: Any) -> dict[str, Any]:
+            """Queue ``job`` and wait: ``{"result", "info"}``, or a failure's answer."""
+            left_out = self.worker.unavailable.get(job.model)
+            if left_out is not None:  # this worker could not read it: another may
+                why = {"type": "model_unavailable", "message": f"{job.model!r}: {left_out}"}
+                out = {"status": 503, "error": why, "headers": {}, "fault": "model"}
+                return {**out, "state": self.state()}
+            try:
                 future, _ = self.worker.submit(job)
-                out = await asyncio.wrap_future(future)
+                result = await asyncio.wrap_future(future)
             except Exception as e:  # an answer: a raise here reads as a worker fault
-                status, error, headers = error_answer(e)
-                return {"status": status, "error": error, "headers": headers,
-                        "state": self.state()}  # fmt: skip
-            return {
-                "png": out.body,
-                "phases": out.phases,
-                "switch": out.switch,
-                "seed": out.info["seed"],
-                "state": self.state(),
-            }
+                return self._failed(e, job.model, fault="job")
+            info = {"phases": result.phases, "switch": result.switch, "state": self.state()}
+            return {"result": result, "info": info}
+
+        def _failed(self, e: Exception, model: Any, *, fault: str) -> dict[str, Any]:
+            from nostall.serve.answers import error_answer
+
+            status, error, headers = error_answer(e, model=model, models=self.worker.names())
+            out = {"status": status, "error": error, "headers": headers, "fault": fault}
+            return {**out, "state": self.state()}
 
         def state(self) -> dict[str, Any]:
             s = self.worker.status()
@@ -321,12 +241,22 @@ def build_fleet(
                 w.shutdown(timeout=60)
 
     app = FastAPI(title="nostall fleet")
+    harden(
+        app,
+        token=token,
+        body_limits={
+            "/v1/videos/decode": limits.max_latent_bytes,
+            "/v1/images/generations": max(1 << 20, limits.max_control_bytes * 4 // 3 + 4096),
+        },
+        time_limit=time_limit,
+    )
 
     @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
     @serve.ingress(app)
     class Router:
         def __init__(self, *workers):
             from nostall.cache.store import Store
+            from nostall.serve.metrics import FleetMetrics
 
             self.workers = list(workers)
             # The process's one store of this folder, kept while the router lives.
@@ -344,8 +274,9 @@ def build_fleet(
             self.actors: list[str | None] = [None] * len(self.workers)
             self.in_flight = [0] * len(self.workers)
             self.down_until = [0.0] * len(self.workers)
-            self.request_s = _REQUEST_S
+            self.request_s = REQUEST_S
             self.routed: list[dict[str, Any]] = []
+            self.metrics = FleetMetrics(len(self.workers))
 
         def _order(self, model: str) -> list[int]:
             now = time.monotonic()
@@ -354,111 +285,167 @@ def build_fleet(
                 live = list(range(len(self.workers)))
 
             def key(i: int):
-                tier = _tier(self.models[i].get(model))
+                tier = slowest_tier(self.models[i].get(model))
                 cost = route_cost(
                     tier, self.nbytes.get(model, 0), self.in_flight[i], self.request_s
                 )
                 held = sum(
                     self.nbytes.get(m, 0)
                     for m, tiers in self.models[i].items()
-                    if _tier(tiers) in ("gpu", "device")
+                    if slowest_tier(tiers) in ("gpu", "device")
                 )
                 return (cost, held, i)
 
             return sorted(live, key=key)
 
-        @app.post("/v1/images/generations")
-        async def generations(self, request: Request) -> Response:
-            import json
+        def _answered(self, endpoint: str, resp: Response, t0: float) -> Response:
+            self.metrics.answered(endpoint, resp.status_code, time.perf_counter() - t0)
+            return resp
 
-            from pydantic import ValidationError
+        async def _route(self, model: str, call) -> tuple[int, str, dict[str, Any]] | Response:
+            """Call the cheapest worker for ``model`` (``call(handle)``), then the next as
+            :func:`route_outcome` says: ``(worker, tier it had, answer)`` or the error."""
+            from nostall.serve.http import error_response
 
-            from nostall.serve.app import ImageBody
-
-            try:
-                parsed = ImageBody.model_validate(json.loads(await request.body()))
-            except json.JSONDecodeError as e:
-                return JSONResponse(
-                    {"error": {"type": "malformed_json", "message": f"body is not JSON: {e}"}}, 400
-                )
-            except ValidationError as e:
-                first = e.errors()[0]
-                where = ".".join(str(x) for x in first["loc"]) or "body"
-                return JSONResponse(
-                    {"error": {"type": "invalid_value", "message": f"{where}: {first['msg']}"}}, 422
-                )
-            body = parsed.model_dump(exclude_none=True)
-            model = body["model"]
-            if model not in self.names:
-                return JSONResponse(
-                    {"error": {"type": "unknown_model", "message": f"no model {model!r}",
-                               "models": self.names}}, 404,
-                )  # fmt: skip
-            fmt = body.pop("response_format", "b64_json")
-            for ignored in ("n", "user", "quality", "style"):
-                body.pop(ignored, None)
             last: dict[str, Any] | None = None
             for i in self._order(model):
-                tier = _tier(self.models[i].get(model))
+                tier = slowest_tier(self.models[i].get(model))
                 self.in_flight[i] += 1
+                self.metrics.in_flight.labels(str(i)).set(self.in_flight[i])
                 t = time.perf_counter()
                 try:
-                    out = await self.workers[i].generate.remote(body)
+                    out = await call(self.workers[i])
                 except Exception as e:
                     why = {"type": type(e).__name__, "message": f"worker {i}: {e}"}
                     out = {"status": failure_status(e), "headers": {}, "error": why}
                 finally:
                     self.in_flight[i] -= 1
+                    self.metrics.in_flight.labels(str(i)).set(self.in_flight[i])
                 if "state" in out:
                     self.models[i] = out["state"]["models"]
                     self.actors[i] = out["state"].get("actor")
                 if "error" in out:
                     status, headers = out["status"], out["headers"]
-                    down, retry = route_outcome(status)
+                    down, retry = route_outcome(status, fault=out.get("fault", "job"))
+                    if out.get("fault") == "model":
+                        retry = True  # this worker cannot read the pipeline; another may
                     if down:
                         wait = float(headers.get("Retry-After", 0)) or down_s
                         self.down_until[i] = time.monotonic() + wait
-                        log.warning("worker %d down for %.0f s (%s: %s)", i, wait, status,
-                                    out["error"]["type"])  # fmt: skip
+                        self.metrics.downs.labels(str(i)).inc()
+                        kind = out["error"]["type"]
+                        log.warning("worker %d down for %.0f s (%s: %s)", i, wait, status, kind)
                     if retry:
                         last = out
                         continue
-                    return JSONResponse({"error": out["error"]}, status, headers=headers)
+                    error = dict(out["error"])
+                    kind, message = error.pop("type"), error.pop("message")
+                    return error_response(status, kind, message, headers=headers or None, **error)
                 elapsed = time.perf_counter() - t
                 self.request_s = 0.8 * self.request_s + 0.2 * elapsed
                 self.routed.append({"model": model, "worker": i, "tier_before": tier})
                 self.routed = self.routed[-1000:]
-                headers = {"X-Nostall-Worker": str(i), "X-Nostall-Routed-Tier": tier}
-                if fmt == "png":
-                    return Response(out["png"], media_type="image/png", headers=headers)
-                return JSONResponse(
-                    {
-                        "created": int(time.time()),
-                        "data": [{"b64_json": base64.b64encode(out["png"]).decode()}],
-                        "nostall": {
-                            "model": model,
-                            "worker": i,
-                            "seed": out["seed"],
-                            "phases": out["phases"],
-                            "switch": out["switch"],
-                        },
-                    },
-                    headers=headers,
-                )
+                self.metrics.routed.labels(str(i), tier).inc()
+                return i, tier, out
             why = last["error"] if last else {"type": "none", "message": "no worker"}
-            return JSONResponse(
-                {"error": {"type": "no_worker", "message": f"every worker failed; the last: "
-                           f"{why['type']}: {why['message']}"}},
+            return error_response(
                 503,
+                "no_worker",
+                f"every worker failed; the last: {why['type']}: {why['message']}",
                 headers=(last or {}).get("headers") or None,
-            )  # fmt: skip
+            )
+
+        def _headers(self, i: int, tier: str, out: dict[str, Any]) -> dict[str, str]:
+            from nostall.serve.answers import timing_headers
+
+            return {
+                **timing_headers(out["phases"], out["switch"]),
+                "X-Nostall-Worker": str(i),
+                "X-Nostall-Routed-Tier": tier,
+            }
+
+        def _unknown(self, model: Any) -> Response | None:
+            from nostall.serve.http import error_response
+
+            if model in self.names:
+                return None
+            return error_response(404, "unknown_model", f"no model {model!r}", models=self.names)
+
+        @app.post("/v1/images/generations")
+        async def generations(self, request: Request) -> Response:
+            from nostall.serve.answers import read_body
+            from nostall.serve.app import ImageBody
+            from nostall.serve.http import error_response
+
+            t0 = time.perf_counter()
+            raw = await request.body()
+            parsed = await asyncio.to_thread(read_body, raw, ImageBody)
+            if isinstance(parsed, Response):
+                return self._answered("images", parsed, t0)
+            if parsed.n != 1:
+                bad = error_response(422, "invalid_value", "n: only 1", field="n", allowed=[1])
+                return self._answered("images", bad, t0)
+            body = parsed.model_dump(exclude_none=True)
+            model = body["model"]
+            unknown = self._unknown(model)
+            if unknown is not None:
+                return self._answered("images", unknown, t0)
+            fmt = body.pop("response_format", "b64_json")
+            for ignored in ("n", "user", "quality", "style"):
+                body.pop(ignored, None)
+            routed = await self._route(model, lambda w: w.generate.remote(body))
+            if isinstance(routed, Response):
+                return self._answered("images", routed, t0)
+            i, tier, out = routed
+            headers = self._headers(i, tier, out)
+            if fmt == "png":
+                resp = Response(out["png"], media_type="image/png", headers=headers)
+                return self._answered("images", resp, t0)
+            doc = {
+                "created": int(time.time()),
+                "data": [{"b64_json": base64.b64encode(out["png"]).decode()}],
+                "nostall": {
+                    "model": model,
+                    "worker": i,
+                    "seed": out["seed"],
+                    "phases": out["phases"],
+                    "switch": out["switch"],
+                },
+            }
+            return self._answered("images", JSONResponse(doc, headers=headers), t0)
+
+        @app.post("/v1/videos/decode")
+        async def decode_video(
+            self,
+            request: Request,
+            model: str,
+            fps: float = 16.0,
+            mode: str = "eager",
+            denormalize: bool = False,
+        ) -> Response:
+            t0 = time.perf_counter()
+            unknown = self._unknown(model)
+            if unknown is not None:
+                return self._answered("videos", unknown, t0)
+            raw = await request.body()  # at most max_latent_bytes: BodyLimit saw to it
+            routed = await self._route(
+                model, lambda w: w.decode.remote(model, raw, fps, mode, denormalize)
+            )
+            if isinstance(routed, Response):
+                return self._answered("videos", routed, t0)
+            i, tier, out = routed
+            headers = {**self._headers(i, tier, out), "X-Nostall-Frames": str(out["frames"])}
+            resp = Response(out["mp4"], media_type="video/mp4", headers=headers)
+            return self._answered("videos", resp, t0)
 
         @app.get("/v1/models")
         async def list_models(self) -> dict:
-            return {"object": "list", "data": [{"id": n, "object": "model"} for n in self.names]}
+            data = [{"id": n, "object": "model", "available": True} for n in self.names]
+            return {"object": "list", "data": data}
 
         @app.get("/fleet")
         async def fleet(self) -> dict:
+            now = time.monotonic()
             return {
                 "workers": [
                     {
@@ -466,7 +453,7 @@ def build_fleet(
                         "actor": self.actors[i],
                         "models": self.models[i],
                         "in_flight": self.in_flight[i],
-                        "down": self.down_until[i] > time.monotonic(),
+                        "down": self.down_until[i] > now,
                     }
                     for i in range(len(self.workers))
                 ],
@@ -474,9 +461,34 @@ def build_fleet(
                 "request_s": self.request_s,
             }
 
+        @app.get("/status.json")
+        async def status_json(self) -> dict:
+            return await self.fleet()
+
+        @app.get("/", response_class=HTMLResponse)
+        async def status_page(self) -> str:
+            from nostall.serve.pages import fleet_page
+
+            return fleet_page(await self.fleet())
+
+        @app.get("/metrics")
+        async def metrics(self) -> Response:
+            from prometheus_client import CONTENT_TYPE_LATEST
+
+            now = time.monotonic()
+            for i, until in enumerate(self.down_until):
+                self.metrics.up.labels(str(i)).set(0 if until > now else 1)
+            return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
         @app.get("/healthz")
         async def healthz(self) -> dict:
             return {"status": "ok"}
+
+        @app.get("/readyz")
+        async def readyz(self) -> Response:
+            now = time.monotonic()
+            up = sum(until <= now for until in self.down_until)
+            return JSONResponse({"ready": up > 0, "workers_up": up}, 200 if up else 503)
 
     workers = [FleetWorker.options(name=f"worker-{i}").bind(i) for i in range(replicas)]
     return Router.bind(*workers)

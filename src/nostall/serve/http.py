@@ -2,16 +2,18 @@
 timeouts, and one error shape. The worker app (:mod:`nostall.serve.app`) and the embedding
 service (:mod:`nostall.serve.embed`) share it.
 
-- :class:`TokenAuth` (or the FastAPI dependency :func:`require_token`): ``Authorization:
-  Bearer <token>`` on every path but the probes, compared in constant time; 401 otherwise.
+- :class:`TokenAuth`: ``Authorization: Bearer <token>`` on every path but the probes,
+  compared in constant time; 401 otherwise. :func:`resolve_token` refuses an empty one.
 - :class:`BodyLimit`: 413 from ``Content-Length`` before a byte of the body is read, and
   from the running count for a chunked body; 408 when the body does not arrive in time;
   a client that leaves during its upload is one INFO line, not a traceback.
 - :class:`TimeLimit`: a request that has not started its answer after ``seconds`` is
   cancelled and answered 504 (a handler waiting on a queued job sees the cancellation).
 - :func:`uvicorn_config`: keep-alive and header timeouts, a header size cap and a
-  connection limit for slow clients, and a warning when a token-less service binds beyond
-  loopback.
+  connection limit for slow clients (the probes are answered beyond it), and a warning
+  when a token-less service binds beyond loopback.
+- :func:`run_server`: uvicorn that, on SIGTERM or SIGINT, lets the service drain before
+  it stops taking connections.
 - :func:`harden` puts the three middlewares on an app in the right order.
 
 Errors are JSON ``{"error": {"type", "message", ...}}`` (:func:`error_response`).
@@ -45,8 +47,8 @@ __all__ = [
     "exposure_warning",
     "harden",
     "is_loopback",
-    "require_token",
-    "token_from_env",
+    "resolve_token",
+    "run_server",
     "uvicorn_config",
 ]
 
@@ -112,11 +114,28 @@ def _check_token(token: str | None) -> str | None:
     if token is None:
         return None
     if not isinstance(token, str) or not token.strip() or token != token.strip():
+        got = f"{len(token)} chars" if isinstance(token, str) else type(token).__name__
         raise ArgumentError(
-            "the API token must be a non-empty string without surrounding spaces "
-            f"(got {len(token) if isinstance(token, str) else type(token).__name__} chars)"
+            f"the API token must be a non-empty string without surrounding spaces (got "
+            f"{got}); an empty one would turn authentication off: give a token, or none "
+            f"(and unset ${TOKEN_ENV})",
+            field="token",
         )
     return token
+
+
+def resolve_token(given: str | None) -> str | None:
+    """The token a service runs with: ``given`` (``--api-token``), else
+    ``$NOSTALL_API_TOKEN`` when it is set, checked either way: an empty or padded token
+    (``--api-token ''``, ``NOSTALL_API_TOKEN=``) is an :class:`~nostall.ArgumentError`,
+    never a service without authentication. ``None``: no token was asked for.
+
+    >>> resolve_token("s3cret")
+    's3cret'
+    """
+    if given is None:
+        given = os.environ.get(TOKEN_ENV)  # set but empty: refused below, not "unset"
+    return _check_token(given)
 
 
 class TokenAuth:
@@ -149,25 +168,6 @@ class TokenAuth:
             f"with: --api-token or ${TOKEN_ENV})",
             headers={"WWW-Authenticate": "Bearer"},
         )  # fmt: skip
-
-
-def require_token(token: str | None, *, open_paths: tuple[str, ...] = OPEN_PATHS):
-    """A FastAPI dependency doing :class:`TokenAuth`'s check for the routes it is put on
-    (``FastAPI(dependencies=[Depends(require_token(t))])``); ``None`` checks nothing. Its
-    401 is FastAPI's ``{"detail": ...}``; :class:`TokenAuth` answers in nostall's shape."""
-    from fastapi import HTTPException, Request
-
-    token = _check_token(token)
-
-    async def check(request: Request) -> None:
-        if token is None or request.url.path in open_paths:
-            return
-        if not _token_ok(request.headers.get("authorization", "").encode(), token):
-            raise HTTPException(
-                401, "needs 'Authorization: Bearer <token>'", {"WWW-Authenticate": "Bearer"}
-            )
-
-    return check
 
 
 # ---- the body -----------------------------------------------------------------------------
@@ -402,20 +402,54 @@ def check_server(
         log.warning(warning)
 
 
-def _protocol(header_timeout: float) -> type:
+def _protocol(header_timeout: float, limit: int | None) -> type:
     """uvicorn's h11 protocol with a deadline for a request's headers: a connection that
     has not sent a complete head ``header_timeout`` seconds after it opened, or after its
     previous answer, is closed. (uvicorn's keep-alive timer stops at the first byte, so a
-    client sending a header a byte at a time would hold its connection for ever.)"""
+    client sending a header a byte at a time would hold its connection for ever.)
+
+    And uvicorn's concurrency limit, but for the probes: beyond ``limit`` open
+    connections or requests, a request gets 503, except :data:`OPEN_PATHS`, which are
+    answered (an orchestrator must not restart a worker that idle or slow clients
+    crowd; uvicorn's own ``limit_concurrency`` answers 503 to everything)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class HeaderDeadline(H11Protocol):
         # uvicorn internals relied on (0.3x–0.5x): loop, cycle, transport, handle_events,
-        # on_response_complete, connection_made/lost; tests/serve/test_http.py covers them.
+        # on_response_complete, connection_made/lost, app, connections, tasks;
+        # tests/serve/test_http.py covers them.
         def connection_made(self, transport) -> None:  # type: ignore[override]
             self._deadline: asyncio.TimerHandle | None = None
             super().connection_made(transport)
+            if limit is not None:  # (one protocol object per connection)
+                self.app = self._within_limit(self.app)
             self._arm()
+
+        def _within_limit(self, app: ASGIApp) -> ASGIApp:
+            async def limited(scope: Scope, receive: Receive, send: Send) -> None:
+                # (this request's connection and task are among those counted)
+                if (
+                    scope["type"] == "http"
+                    and scope["path"] not in OPEN_PATHS
+                    and (len(self.connections) > limit or len(self.tasks) > limit)
+                ):
+                    log.warning(
+                        "%s %s refused: more than %d connections or requests at once",
+                        _client(scope),
+                        scope["path"],
+                        limit,
+                    )
+                    await _send_error(
+                        send,
+                        503,
+                        "too_many_connections",
+                        f"more than {limit} connections or requests at once; retry shortly",
+                        headers={"Retry-After": "1"},
+                    )
+                    return
+                await app(scope, receive, send)
+
+            return limited
 
         def _arm(self) -> None:
             if self.cycle is not None and not self.cycle.response_complete:
@@ -468,8 +502,10 @@ def uvicorn_config(
     """A ``uvicorn.Config`` for facing slow or hostile clients: h11 with a header deadline
     (``header_timeout``) and a cap on a request head's size (``max_header_bytes``, 400
     beyond), idle keep-alive connections closed after ``timeout_keep_alive`` seconds,
-    and at most ``limit_concurrency`` connections and requests at once (503 beyond).
-    :func:`check_server` first (``warn=False``: a caller that already called it)."""
+    and at most ``limit_concurrency`` connections and requests at once (503 beyond, the
+    probes excepted). ``graceful_shutdown``: seconds uvicorn waits for open requests
+    once it stops (then cancels them). :func:`check_server` first (``warn=False``: a
+    caller that already called it)."""
     import uvicorn
 
     check_server(host=host, port=port, token=token, what=what, warn=warn)
@@ -485,15 +521,38 @@ def uvicorn_config(
         app,
         host=host,
         port=port,
-        http=_protocol(header_timeout),
+        http=_protocol(header_timeout, limit_concurrency),
         h11_max_incomplete_event_size=max_header_bytes,
-        limit_concurrency=limit_concurrency,
+        limit_concurrency=None,  # the protocol's own limit, which answers the probes
         timeout_keep_alive=timeout_keep_alive,
         timeout_graceful_shutdown=graceful_shutdown,
         log_level=log_level,
     )
 
 
-def token_from_env(token: str | None) -> str | None:
-    """``token`` if given, else ``$NOSTALL_API_TOKEN`` (empty counts as unset)."""
-    return token if token is not None else (os.environ.get(TOKEN_ENV) or None)
+def run_server(config: Any, *, drain: Callable[[Callable[[], None]], None] | None = None) -> None:
+    """Run uvicorn with ``config`` until a signal stops it.
+
+    With ``drain``, the first SIGTERM or SIGINT calls ``drain(done)`` instead of stopping:
+    the server keeps its port and its connections (the app answers new work 503 and its
+    readiness probe 503 meanwhile), and shuts down as usual once ``done()`` is called
+    (from any thread). A second signal stops it at once, as uvicorn does. As with plain
+    uvicorn, the process then ends by the signal it was sent."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        draining = False
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if drain is None or self.draining:
+                super().handle_exit(sig, frame)
+                return
+            self.draining = True
+            self._captured_signals.append(sig)  # re-raised once uvicorn has stopped
+            log.info("signal %d: draining before shutdown (a second signal stops at once)", sig)
+            drain(self._done)
+
+        def _done(self) -> None:
+            self.should_exit = True  # the main loop polls it every 0.1 s
+
+    Server(config).run()

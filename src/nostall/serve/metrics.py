@@ -1,5 +1,5 @@
-"""Prometheus metrics of one worker and of one embedding service (each its own registry:
-two in one process, as in the tests, never share counters).
+"""Prometheus metrics of one worker, of one embedding service and of a fleet's router (each
+its own registry: two in one process, as in the tests, never share counters).
 
 Label values never come from a request unchecked: a model name the worker does not serve
 is counted as ``"unknown"``, so clients cannot grow the number of series.
@@ -11,7 +11,7 @@ from collections.abc import Collection
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["EmbedMetrics", "WorkerMetrics"]
+__all__ = ["EmbedMetrics", "FleetMetrics", "WorkerMetrics"]
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 
@@ -86,6 +86,54 @@ class EmbedMetrics:
         )  # fmt: skip
         self.queue_depth = Gauge("nostall_embed_queue_depth", "Texts waiting.", registry=r)
         self.cache_bytes = Gauge("nostall_embed_cache_bytes", "Bytes in the cache.", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class FleetMetrics:
+    """The fleet router's: its answers, where it routed, and each worker's state (labels:
+    endpoints, worker indexes and tiers, never request values)."""
+
+    def __init__(self, workers: int) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "nostall_fleet_requests",
+            "Requests answered by the router, by endpoint and status code.",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "nostall_fleet_request_seconds",
+            "Time from arrival at the router to answer.",
+            ["endpoint"],
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.routed = Counter(
+            "nostall_fleet_routed",
+            "Requests served, by worker and the tier its pipeline was in when routed.",
+            ["worker", "tier"],
+            registry=r,
+        )
+        self.downs = Counter(
+            "nostall_fleet_worker_downs", "Times a worker was marked down.", ["worker"], registry=r
+        )
+        self.up = Gauge("nostall_fleet_worker_up", "1 unless marked down.", ["worker"], registry=r)
+        self.in_flight = Gauge(
+            "nostall_fleet_in_flight",
+            "Requests routed to a worker and not yet answered.",
+            ["worker"],
+            registry=r,
+        )
+        for i in range(workers):
+            self.up.labels(str(i)).set(1)
+            self.in_flight.labels(str(i)).set(0)
+
+    def answered(self, endpoint: str, status: int, seconds: float) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+        self.latency.labels(endpoint).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -372,14 +372,30 @@ def check_controlnet(
         )  # fmt: skip
     from PIL import Image, UnidentifiedImageError
 
+    allowed = f"{size[0]}x{size[1]}"
     try:
+        # Image.open reads the header only: the declared size is checked before a pixel
+        # is decoded, so a small file declaring a huge image costs nothing
         img = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
         if img.format not in ("PNG", "JPEG", "WEBP"):
             raise ArgumentError(
                 f"controlnet.image: a {img.format} image; send PNG, JPEG or WebP",
                 field="controlnet.image",
             )
+        if img.size != size:
+            raise ArgumentError(
+                f"controlnet.image declares {img.size[0]}x{img.size[1]} pixels; it must be "
+                f"the image's size, {allowed}",
+                field="controlnet.image",
+                allowed=allowed,
+            )
         img.load()
+    except Image.DecompressionBombError as e:  # (declared beyond PIL's own pixel cap)
+        raise ArgumentError(
+            f"controlnet.image declares too many pixels ({e}); it must be {allowed}",
+            field="controlnet.image",
+            allowed=allowed,
+        ) from None
     except (binascii.Error, ValueError, UnidentifiedImageError, OSError) as e:
         if isinstance(e, ArgumentError):
             raise
@@ -387,11 +403,6 @@ def check_controlnet(
             f"controlnet.image is not a base64 image ({type(e).__name__}: {e})",
             field="controlnet.image",
         ) from None
-    if img.size != size:
-        raise ArgumentError(
-            f"controlnet.image is {img.size[0]}x{img.size[1]}; it must be the image's size, "
-            f"{size[0]}x{size[1]}", field="controlnet.image", allowed=f"{size[0]}x{size[1]}",
-        )  # fmt: skip
     return name, img.convert("RGB"), float(scale)
 
 

@@ -17,9 +17,13 @@ pipeline, and records where each request's time went:
             the pipeline's VAE alone is loaded for them, and kept: ``switch`` is its load).
 
 A full queue refuses at once (:class:`QueueFull`, HTTP 429, with the estimated wait
-for room); a shutdown stops taking jobs, fails the queued ones (:class:`ShuttingDown`,
-HTTP 503), lets the running one finish, and closes the cache. A job whose client went away before it started is
-skipped. A failing job fails its own future; the thread carries on.
+for room). Stopping is bounded: :meth:`Worker.drain` (what ``nostall serve`` does on
+SIGTERM) stops taking jobs at once (readiness 503, new jobs :class:`ShuttingDown`, HTTP
+503), runs the queue for most of a grace period, then fails what is still queued
+(:class:`ShuttingDown`) and stops the running job at its next denoising step;
+:meth:`Worker.shutdown` then closes the cache (never under a job still running). A job
+whose client went away before it started is skipped. A failing job fails its own future;
+the thread carries on.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -210,6 +215,8 @@ class Worker:
         self._lineup = Lineup(schedule or Policy(), self.cache, self._without)
         self._cond = threading.Condition()
         self._accepting = False
+        self._deadline: float | None = None  # monotonic: when drain or shutdown must end
+        self._stop = threading.Event()  # set: the running job stops at its next step
         self._running: list[_Ticket] = []  # the batch running now
         self._thread: threading.Thread | None = None
         self._started_at = time.time()
@@ -249,21 +256,90 @@ class Worker:
         self._thread.start()
         return self
 
-    def shutdown(self, timeout: float = 300.0) -> None:
-        """Take no more jobs, fail the queued ones, let the running one finish, close."""
+    def drain(self, grace: float, on_done: Callable[[], None] | None = None) -> None:
+        """Stop within ``grace`` seconds, losing nothing that can finish: take no more
+        jobs from now on (:attr:`ready` is false, :meth:`submit` raises
+        :class:`ShuttingDown`), run the queued ones until ``grace`` less a margin (a
+        quarter of it, at most 5 s), then fail those still queued with
+        :class:`ShuttingDown` and stop the running one at its next denoising step.
+        ``on_done`` is called (from a thread of the worker's) once nothing runs, and at
+        the latest half the margin before ``grace`` is up, leaving the caller that much
+        to stop its server. Returns at once; a second call does nothing."""
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace > 0:
+            raise ArgumentError(f"grace={grace!r}: give seconds > 0")
+        with self._cond:
+            if self._deadline is not None:
+                return
+            self._accepting = False
+            self._deadline = time.monotonic() + grace
+            self._cond.notify_all()
+        margin = min(5.0, grace / 4)
+
+        def wait() -> None:
+            with self._cond:
+                idle = self._cond.wait_for(self._idle, timeout=grace - margin)
+            if not idle:
+                self._cut(f"the worker is shutting down and its {grace:g} s grace period ended")
+                with self._cond:
+                    self._cond.wait_for(self._idle, timeout=self._left() - margin / 2)
+            if on_done is not None:
+                on_done()
+
+        log.info("draining: %d queued, %d running; %g s at most", *self._load(), grace)
+        threading.Thread(target=wait, name="nostall-drain", daemon=True).start()
+
+    @property
+    def draining(self) -> bool:
+        """Whether :meth:`drain` or :meth:`shutdown` began."""
+        return self._deadline is not None
+
+    def _load(self) -> tuple[int, int]:
+        with self._cond:
+            return len(self._queue), len(self._running)
+
+    def _idle(self) -> bool:
+        return not self._queue and not self._running
+
+    def _left(self) -> float:
+        return max(0.0, self._deadline - time.monotonic()) if self._deadline else 0.0
+
+    def _cut(self, why: str, *, stop: bool = True) -> None:
+        """Fail the queued jobs with ``why``; with ``stop``, stop the running one at its
+        next step."""
         with self._cond:
             self._accepting = False
             waiting = list(self._queue)
             self._queue.clear()
             self.metrics.queue_depth.set(0)
+            if stop:
+                self._stop.set()
             self._cond.notify_all()
         for t in waiting:
             if t.future.set_running_or_notify_cancel():
-                t.future.set_exception(ShuttingDown("the worker is shutting down; retry elsewhere"))
+                t.future.set_exception(ShuttingDown(f"{why}; retry elsewhere"))
+
+    def shutdown(self, timeout: float = 300.0) -> None:
+        """Take no more jobs, fail the queued ones, let the running one finish (within
+        ``timeout``, or what is left of a :meth:`drain`'s grace: then it is stopped at its
+        next step), close. A job still running after that keeps the cache open (closing
+        it under the job would pull its weights away); the process exits without it."""
+        with self._cond:
+            if self._deadline is None:
+                self._deadline = time.monotonic() + timeout
+            timeout = self._left()
+        self._cut("the worker is shutting down", stop=False)
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
-                log.warning("the running job did not finish within %.0f s of shutdown", timeout)
+                self._stop.set()  # its next step ends it
+                self._thread.join(min(5.0, max(1.0, timeout / 10)))
+            if self._thread.is_alive():
+                log.warning(
+                    "the running job did not stop within %.1f s of shutdown; the model "
+                    "cache is left open under it",
+                    timeout,
+                )
+                return
             self._thread = None
         self._settler.close()
         self.cache.close()
@@ -317,7 +393,8 @@ class Worker:
         ticket = _Ticket(job, Future(), time.perf_counter())
         with self._cond:
             if not self._accepting:
-                raise ShuttingDown("the worker is not taking jobs (starting or shutting down)")
+                why = "shutting down" if self._deadline is not None else "starting"
+                raise ShuttingDown(f"the worker is not taking jobs ({why}); retry elsewhere")
             if len(self._queue) >= self.max_queue:
                 self.metrics.rejected.inc()
                 wait = self._lineup.retry_after()
@@ -417,6 +494,11 @@ class Worker:
                 return
             began, results = time.perf_counter(), []
             try:
+                if self._stop.is_set():  # taken just before a drain's cut: not begun
+                    for t in batch:
+                        if t.future.set_running_or_notify_cancel():
+                            t.future.set_exception(ShuttingDown("the worker is shutting down"))
+                    batch = []
                 live = [t for t in batch if _begin(t)]
                 if live:
                     self._prefetch_next(self._lineup.running)
@@ -428,6 +510,7 @@ class Worker:
                 with self._cond:
                     self._lineup.done(time.perf_counter() - began, [r for r in results if r])
                     self._running = []
+                    self._cond.notify_all()  # drain() waits for the worker to be idle
 
     def _finish(self, t: _Ticket) -> Result | None:
         """Run one job and settle its future: its result, or ``None`` if it failed."""
@@ -436,6 +519,8 @@ class Worker:
         except BaseException as e:  # the thread carries on; the job fails
             if isinstance(e, (ValueError, LatentsError)):  # the request's fault: a 4xx
                 log.info("job for %s refused: %s", t.job.model, e)
+            elif isinstance(e, ShuttingDown):
+                log.info("job for %s stopped: %s", t.job.model, e)
             else:
                 log.exception("job for %s failed", t.job.model)
             t.future.set_exception(e)
@@ -661,7 +746,7 @@ class Worker:
         call, their images in order."""
         from nostall.serve.prompts import apply
 
-        clock = PhaseClock(pipe, self.device)
+        clock = PhaseClock(pipe, self.device, stop=self._stop)
         try:
             jobs = job if isinstance(job, list) else [job]
             kwargs = image_kwargs(pipe, jobs[0], self.device)
@@ -737,6 +822,7 @@ class Worker:
         return {
             "device": stats.device,
             "ready": self.ready,
+            "draining": self.draining,
             "uptime_s": time.time() - self._started_at,
             "gpu": {"budget": stats.gpu_budget, "bytes": stats.gpu_bytes},
             "host": {"budget": stats.host_budget, "bytes": stats.host_bytes},
