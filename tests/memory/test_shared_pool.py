@@ -72,7 +72,9 @@ class Peer:
         """SIGKILL, left unreaped: a zombie, which the pool must count as dead."""
         self.proc.kill()
         deadline = time.monotonic() + 10
-        while process_id(self.proc.pid) is not None:
+        # The leader turns zombie while its other threads still exit, holding the process's
+        # descriptors (its file locks): wait until they are gone too.
+        while process_id(self.proc.pid) is not None or _threads(self.proc.pid) > 1:
             assert time.monotonic() < deadline, "the killed peer never stopped"
             time.sleep(0.01)
 
@@ -82,6 +84,13 @@ class Peer:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
+
+
+def _threads(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except FileNotFoundError:
+        return 0
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +153,7 @@ def test_the_loader_reads_once_per_host(tmp_path, peer, open_pool, ckpt_file, te
     # process's load of the same file is a memory-cache hit served from the peer's bytes.
     out = peer(
         "from nostall.transfer.loader import Loader\n"
-        f"pool = SharedPool('t', 32 << 20, root={str(tmp_path)!r})\n"
+        f"pool = SharedPool('t', 32 << 20, root={str(tmp_path)!r}, keep=True)\n"
         f"with Loader() as loader: r = loader.load({str(ckpt_file)!r}, pool=pool)\n"
         "pool.close()\n"
         "out = r.stats.scenario"
@@ -259,7 +268,7 @@ def test_concurrent_processes_never_share_bytes(tmp_path, peer, open_pool):
     ],
 )
 def test_a_corrupt_index_is_rebuilt_with_a_warning(tmp_path, open_pool, caplog, corrupt):
-    with open_pool() as pool:
+    with open_pool(keep=True) as pool:
         pool.allocate(4 * MiB, key="a").release()
         pool.allocate(4 * MiB, key="b").release()
     doc = _index(tmp_path)
@@ -278,14 +287,14 @@ def test_a_corrupt_index_is_rebuilt_with_a_warning(tmp_path, open_pool, caplog, 
         f.write(doc if isinstance(doc, bytes) else doc.encode())
     with caplog.at_level(logging.WARNING):
         pool = open_pool()
-    assert "starting an empty index" in caplog.text and path in caplog.text
+    assert "rebuilding it" in caplog.text and path in caplog.text
     assert pool.cached_keys() == [] and pool.stats().free == pool.capacity
     pool.allocate(32 * MiB, key="c").release()  # the whole segment is usable again
     assert pool.cached_keys() == ["c"]
 
 
 def test_an_index_of_another_host_is_refused_until_destroyed(tmp_path, open_pool):
-    open_pool().close()
+    open_pool(keep=True).close()
     doc = _index(tmp_path)
     doc["host"] = "another-host"
     _write_index(tmp_path, doc)
@@ -309,7 +318,7 @@ def test_an_index_of_another_format_in_use_is_refused(tmp_path, open_pool, caplo
     _write_index(tmp_path, doc)
     with caplog.at_level(logging.WARNING):
         assert pool.stats().blocks == 0
-    assert "starting an empty index" in caplog.text
+    assert "rebuilding it" in caplog.text
 
 
 def test_a_reused_pid_is_not_taken_for_the_process_that_died(tmp_path, open_pool):
@@ -328,11 +337,13 @@ def test_a_reused_pid_is_not_taken_for_the_process_that_died(tmp_path, open_pool
 
 
 def test_destroy_refuses_while_another_process_has_it_open(tmp_path, peer):
-    peer(f"pool = SharedPool('t', 8 << 20, root={str(tmp_path)!r})")
-    with pytest.raises(BusyError, match="close them first"):
+    peer(f"pool = SharedPool('t', 8 << 20, root={str(tmp_path)!r}, keep=True)")
+    with pytest.raises(BusyError, match="close them first") as info:
         SharedPool.destroy("t", root=tmp_path)
+    assert f" {peer.proc.pid}-" in str(info.value)  # names the process
     peer("pool.close()")
     assert SharedPool.destroy("t", root=tmp_path) is True
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("name", ["", "a/b", "../up", ".hidden", "a b", "x" * 101, None, 7])
@@ -363,7 +374,7 @@ def test_bad_arguments_are_typed_errors(tmp_path, monkeypatch):
 
 
 def test_close_is_idempotent_and_use_after_close_is_refused(open_pool, tmp_path):
-    pool = open_pool()
+    pool = open_pool(keep=True)
     pool.allocate(4 * MiB, key="k").release()
     pool.close()
     pool.close()
@@ -373,12 +384,12 @@ def test_close_is_idempotent_and_use_after_close_is_refused(open_pool, tmp_path)
         pool.lookup("k")
     assert pool.evict() == 0 and pool.cached_keys() == [] and pool.stats().free == 0
     assert "state=closed" in repr(pool)
-    assert _index(tmp_path)["attached"] == {}  # the segment and its entry stay
+    assert _index(tmp_path)["attached"] == {}  # kept: the segment and its entry stay
     assert open_pool().cached_keys() == ["k"]
 
 
 def test_close_gives_up_holds_left_open(open_pool, tmp_path, caplog):
-    pool = open_pool()
+    pool = open_pool(keep=True)
     pool.allocate(4 * MiB, key="k").release()
     held, writing = pool.lookup("k"), pool.allocate(4 * MiB, key="w")
     with caplog.at_level(logging.WARNING):
@@ -451,7 +462,7 @@ def test_release_gives_the_hold_up_only_after_the_fenced_copies(open_pool):
 
 
 def test_a_capacity_that_disagrees(tmp_path, open_pool, caplog):
-    first = open_pool(16 * MiB)
+    first = open_pool(16 * MiB, keep=True)
     with caplog.at_level(logging.WARNING):
         second = open_pool(32 * MiB)  # open elsewhere: the existing segment is used
     assert second.capacity == 16 * MiB and "using it as it is" in caplog.text
@@ -462,6 +473,7 @@ def test_a_capacity_that_disagrees(tmp_path, open_pool, caplog):
         third = open_pool(32 * MiB)  # nobody has it open: recreated at the new size
     assert third.capacity == 32 * MiB and "recreating" in caplog.text
     assert third.cached_keys() == [] and os.path.getsize(third.path) == 32 * MiB
+    assert third.keep  # the mark is the name's: it outlives the segment it was given with
 
 
 class _FakeCudart:
@@ -567,3 +579,194 @@ def test_a_handle_from_before_a_rebuilt_index_touches_nothing_after_it(tmp_path,
     stale.invalidate()
     stale.release()
     assert pool.cached_keys() == ["new"] and pool.stats().blocks == 1
+
+
+# ---- a damaged index never costs a holder its bytes (issue #28) ------------------------
+
+# The holder: three 14 MiB blocks of a 48 MiB pool, filled with 7000s and held: two
+# published and looked up again, the third still being written.
+HOLD = (
+    "pool = SharedPool('t', 48 << 20, root={root!r})\n"
+    "held = []\n"
+    "for k in ('a', 'b', 'c'):\n"
+    "    b = pool.allocate(14 << 20, key=k)\n"
+    "    b.tensor.view(torch.int32).fill_(7000)\n"
+    "    if k != 'c':\n"
+    "        b.release()\n"
+    "        b = pool.lookup(k)\n"
+    "    held.append(b)\n"
+    "out = [b.offset for b in held]"
+)
+READ = "out = [b.tensor.view(torch.int32).eq(7000).all().item() for b in held]"
+
+
+def _damage(root, how: str) -> None:
+    path = segment_path("t", str(root)) + ".index"
+    if how == "garbage":  # as a crash or a full disk can leave it
+        pathlib.Path(path).write_bytes(os.urandom(300))
+    elif how == "deleted":
+        os.unlink(path)
+    else:  # a valid-looking empty index of another capacity
+        doc = _index(root)
+        doc.update(capacity=20 * MiB, entries={}, attached={}, next_id=0, epoch="0" * 16)
+        _write_index(root, doc)
+
+
+def _exits_cleanly(p: Peer) -> None:
+    p.proc.stdin.close()
+    assert p.proc.wait(30) == 0  # no SIGBUS, no error on the way out
+
+
+@pytest.mark.parametrize("damage", ["garbage", "deleted", "other capacity"])
+def test_a_damaged_index_never_changes_a_held_block(tmp_path, open_pool, caplog, damage):
+    holder = Peer()
+    try:
+        offsets = holder(HOLD.format(root=str(tmp_path)))
+        assert offsets == [0, 14 * MiB, 28 * MiB]
+        _damage(tmp_path, damage)
+        with caplog.at_level(logging.WARNING):
+            other = open_pool(20 * MiB)  # asks for less: attaches to the 48 MiB in use
+        assert other.capacity == 48 * MiB and "using it as it is" in caplog.text
+        assert os.path.getsize(other.path) == 48 * MiB
+        mine = []
+        with pytest.raises(PoolExhausted):
+            for i in range(24):  # every byte the pool hands out, held until it is full
+                mine.append(other.allocate(2 * MiB, key=("other", i)))
+                mine[-1].tensor.fill_(1)
+        assert [b.offset for b in mine] == [42 * MiB, 44 * MiB, 46 * MiB]
+        for b in mine:
+            b.release()
+        assert holder(READ) == [True, True, True]
+        # The holder's handles still name their entries: the writer's release publishes.
+        holder("for b in held: b.release()")
+        hit = other.lookup("c")
+        assert hit is not None and hit.tensor.view(torch.int32).eq(7000).all()
+        hit.release()
+        assert other.lookup("a") is None  # read while the index was lost: not served again
+        _exits_cleanly(holder)
+        assert other.stats().free == 42 * MiB - 14 * MiB  # a, b freed; c cached
+    finally:
+        holder.close()
+
+
+def test_after_a_rebuild_no_process_rebuilds_again(tmp_path, open_pool, caplog):
+    # Two workers, the index damaged, a third with a smaller budget: the issue's servers.
+    count = (
+        "import logging\n"
+        "class Count(logging.Handler):\n"
+        "    n = 0\n"
+        "    def emit(self, r): Count.n += 'rebuilding it' in r.getMessage()\n"
+        "logging.getLogger('nostall').addHandler(Count())\n"
+    )
+    work = "for i in range(5): pool.stats(); pool.lookup('a'); pool.allocate(1).release()\n"
+    peers = [Peer(), Peer()]
+    try:
+        for p in peers:
+            p(count + f"pool = SharedPool('t', 48 << 20, root={str(tmp_path)!r})")
+        peers[0]("held = pool.allocate(14 << 20, key='a'); held.release(); held = pool.lookup('a')")
+        _write_index(tmp_path, "garbage")
+        with caplog.at_level(logging.WARNING):
+            third = open_pool(20 * MiB)
+            for p in peers:
+                p(work)
+            exec(work, {"pool": third})
+        rebuilds = [caplog.text.count("rebuilding it")] + [p("out = Count.n") for p in peers]
+        assert sum(rebuilds) == 1, rebuilds
+        assert _index(tmp_path)["capacity"] == 48 * MiB
+        assert peers[0]("out = held.tensor.numel()") == 14 * MiB
+    finally:
+        for p in peers:
+            p.close()
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_view_that_outlived_its_pool_never_faults(tmp_path, keep):
+    # A pool closed with a block still held: the view stays mapped. Removing the segment
+    # (the last pool left) or recreating it at another capacity (kept) gives the next pool
+    # a new file; the old one is never truncated under the view.
+    p = Peer()
+    try:
+        out = p(
+            f"pool = SharedPool('t', 16 << 20, root={str(tmp_path)!r}{', keep=True' * keep})\n"
+            "b = pool.allocate(14 << 20, key='k'); view = b.tensor; view.fill_(7)\n"
+            "pool.close(timeout=0)\n"
+            f"again = SharedPool('t', 4 << 20, root={str(tmp_path)!r})\n"
+            "out = [again.capacity, view.eq(7).all().item()]"
+        )
+        assert out == [4 * MiB, True]
+        _exits_cleanly(p)
+    finally:
+        p.close()
+
+
+def test_a_segment_in_use_that_cannot_be_mapped_is_refused(tmp_path, peer, monkeypatch):
+    from nostall.memory import pool as pool_mod
+
+    peer(f"pool = SharedPool('t', 48 << 20, root={str(tmp_path)!r})")
+    monkeypatch.setattr(pool_mod, "memory_limit", lambda: (40 * MiB, "cgroup"))
+    with pytest.raises(BusyError) as info:
+        SharedPool("t", 20 * MiB, root=tmp_path)
+    assert f"{48 * MiB} bytes" in str(info.value) and f"{20 * MiB} bytes" in str(info.value)
+    assert f" {peer.proc.pid}-" in str(info.value)
+    assert peer("pool.close(); out = 1") == 1
+    assert os.listdir(tmp_path) == []
+
+
+# ---- who removes a segment ---------------------------------------------------------------
+
+
+def test_the_last_pool_to_close_removes_the_segment(tmp_path, peer, open_pool):
+    peer(f"pool = SharedPool('t', 8 << 20, root={str(tmp_path)!r})")
+    pool = open_pool(8 * MiB)
+    pool.allocate(1, key="k").release()
+    pool.close()
+    assert os.path.exists(pool.path)  # the peer has it open
+    assert peer("out = pool.cached_keys()") == ["k"]
+    peer("pool.close()")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_kept_segment_outlives_its_last_pool(tmp_path, open_pool):
+    with open_pool(keep=True) as pool:
+        pool.allocate(1, key="k").release()
+    with open_pool() as again:  # keep=False now: the mark stays until destroy
+        assert again.keep and again.cached_keys() == ["k"]
+    assert os.path.exists(segment_path("t", str(tmp_path)))
+    assert SharedPool.destroy("t", root=tmp_path) is True
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("then", ["reopen", "destroy"])
+def test_a_killed_last_holder_leaves_files_the_next_open_reuses(tmp_path, open_pool, then):
+    p = Peer()
+    try:
+        p(
+            f"pool = SharedPool('t', 8 << 20, root={str(tmp_path)!r})\n"
+            "pool.allocate(1, key='k').release(); held = pool.lookup('k')"
+        )
+        p.kill()
+        path = segment_path("t", str(tmp_path))
+        assert os.path.exists(path) and os.listdir(path + ".procs")  # nobody ran to clean
+        if then == "destroy":
+            assert SharedPool.destroy("t", root=tmp_path) is True  # nobody has it open
+        else:
+            pool = open_pool(8 * MiB)
+            assert pool.cached_keys() == ["k"] and pool.stats().in_use == 0
+            assert os.listdir(path + ".procs") == [os.path.basename(pool._book.journal.path)]
+            pool.close()
+        assert os.listdir(tmp_path) == []
+    finally:
+        p.close()
+
+
+def test_a_pool_whose_segment_was_destroyed_by_force_is_closed(tmp_path, open_pool):
+    pool = open_pool()
+    held = pool.allocate(4 * MiB, key="k")
+    assert SharedPool.destroy("t", root=tmp_path, force=True) is True
+    fresh = open_pool()  # a new segment, another file
+    with pytest.raises(ClosedError, match="removed while this process had it open"):
+        pool.allocate(1)
+    held.release()  # harmless
+    pool.close()
+    fresh.allocate(1, key="x").release()
+    assert fresh.cached_keys() == ["x"] and os.path.exists(fresh.path)

@@ -265,8 +265,13 @@ def _shared_child(args: list[str]) -> None:
     folder, name, capacity, device, root = args
     dev = torch.device(device)
     t0 = time.perf_counter()
+    # Kept: the second process must find what the first read (_shared destroys it).
     pool = SharedPool(
-        name, int(capacity), device=dev if dev.type == "cuda" else None, root=root or "/dev/shm"
+        name,
+        int(capacity),
+        device=dev if dev.type == "cuda" else None,
+        root=root or None,
+        keep=True,
     )
     pool.wait_pinned()
     attach_s = time.perf_counter() - t0
@@ -296,10 +301,11 @@ def _shared_child(args: list[str]) -> None:
 
 def _shared(folder: str, dev: torch.device, nbytes: int, log: Callable[[str], None]) -> dict:
     from nostall.memory.pool import size_class
+    from nostall.memory.shared import default_root
 
     name = f"bench-{os.getpid()}"
     capacity = size_class(nbytes + (64 << 20))
-    root = os.environ.get("NOSTALL_SHM_DIR") or "/dev/shm"
+    root = default_root()
     out: dict[str, Any] = {"name": name, "capacity": capacity}
     runs = []
     try:

@@ -17,7 +17,6 @@ to the store (:meth:`nostall.ModelCache`), not to the machine alone.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -90,10 +89,8 @@ class HostTier:
         else:
             from nostall.memory.shared import SharedPool
 
-            root = os.environ.get("NOSTALL_SHM_DIR") or "/dev/shm"
-            self.pool = SharedPool(
-                shared, budget, device=device if cuda else None, root=root, evict=True
-            )
+            # root: $NOSTALL_SHM_DIR, else /dev/shm (memory.shared.default_root)
+            self.pool = SharedPool(shared, budget, device=device if cuda else None, evict=True)
         self.budget = self.pool.capacity
         # Shared tier: the pool's key of each component digest seen (files_key).
         self._keys: dict[str, str] = {}

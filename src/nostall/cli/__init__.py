@@ -4,7 +4,19 @@ Importing this package registers every command on :data:`~nostall.cli.app.app`;
 :func:`main` is the console script (``python -m nostall.cli`` runs it too).
 """
 
-from nostall.cli import bench, demo, load, quant, serve, switch, synthetic, video
+from nostall.cli import bench, demo, load, quant, serve, shm, switch, synthetic, video
 from nostall.cli.app import app, main
 
-__all__ = ["app", "bench", "demo", "load", "main", "quant", "serve", "switch", "synthetic", "video"]
+__all__ = [
+    "app",
+    "bench",
+    "demo",
+    "load",
+    "main",
+    "quant",
+    "serve",
+    "shm",
+    "switch",
+    "synthetic",
+    "video",
+]

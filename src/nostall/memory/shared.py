@@ -7,13 +7,22 @@ model cache use one (``allocate``, ``lookup``, ``evict``, ``cached_keys``, ``sta
 every other worker of the host: N workers serving the same models keep one copy in host
 memory instead of N.
 
-* **Bytes**: the file ``<root>/nostall-<host>-<name>`` (``root`` defaults to the tmpfs
-  ``/dev/shm``) of ``capacity`` bytes, sparse, mapped ``MAP_SHARED`` by each process that
-  opens it. A block's pages are allocated when the block is carved (``fallocate``), so a
-  full tmpfs is a :class:`~nostall.PoolExhausted`, never a ``SIGBUS`` in the middle of a read.
-* **Index**: :mod:`nostall.memory.shared_index`, beside the segment, changed under a file
+* **Bytes**: the segment, a file ``<root>/nostall-<host>-<name>`` (``root`` defaults to
+  ``$NOSTALL_SHM_DIR`` or the tmpfs ``/dev/shm``) of ``capacity`` bytes, sparse, mapped
+  ``MAP_SHARED`` by each process that opens it. A block's pages are allocated when the
+  block is carved (``fallocate``), so a full tmpfs is a :class:`~nostall.PoolExhausted`,
+  never a ``SIGBUS`` in the middle of a read.
+* **Attachment** (:mod:`nostall.memory.shared_segment`, :mod:`nostall.memory.shared_attach`):
+  each open pool holds a shared file lock on the segment, which the kernel drops when its
+  process dies. The segment is created, replaced at another capacity or removed only while
+  nobody holds that lock, and never truncated: a block's bytes never change under its
+  holder, whatever became of the index.
+* **Index** (:mod:`nostall.memory.shared_index`), beside the segment, changed under a file
   lock; it records each entry's range, state and holders, and drops the holds of processes
   that died, so a crashed worker leaks nothing.
+* **Journals** (:mod:`nostall.memory.shared_journal`): each open pool also records its own
+  holds, so an index that is lost or damaged is rebuilt without handing out a byte that a
+  live process still reads or writes.
 * **Pinning**: given a CUDA ``device``, each process page-locks *its own* mapping of the
   segment (``cudaHostRegister``, portable) in a background thread, slab by slab, as
   ``PinnedPool`` does: copies from the shared pages then run at link speed.
@@ -31,28 +40,28 @@ Differences from ``PinnedPool``, all forced by other processes sharing the bytes
 * Keys are strings, numbers, ``bytes``, ``None`` and tuples of them, matched by ``repr``
   (``("ckpt", 1)`` and ``("ckpt", 1.0)`` are two keys): other processes must rebuild them.
 * :meth:`SharedPool.close` waits up to ``timeout`` for this process's blocks, then gives up
-  the holds still open (with a warning) instead of raising :class:`~nostall.BusyError`;
-  it never removes the segment. :meth:`SharedPool.destroy` does, when asked.
-* Opening a segment that exists with another capacity: if no live process has it open, it
-  is recreated at the new capacity (its entries dropped, with a warning); otherwise the
+  the holds still open (with a warning) instead of raising :class:`~nostall.BusyError`.
+  The last pool of the host to close removes the segment and its files, unless it was
+  opened with ``keep=True`` (once by anyone: the mark stays until the segment is
+  destroyed). :meth:`SharedPool.segments` lists a root's segments and
+  :meth:`SharedPool.destroy` removes one (``nostall shm ls``, ``nostall shm rm``).
+* Opening a segment that exists with another capacity: if no process has it open, it is
+  recreated at the new capacity (its entries dropped, with a warning); otherwise the
   existing capacity is used (with a warning) and :attr:`SharedPool.capacity` says so.
 
 Processes must share a PID namespace (the index tells live processes from dead ones by
 ``/proc``) and a user (the files are created ``0600``). A pool object does not cross
-``fork``: a child opens its own.
+``fork``: a child opens its own (a child's inherited copy keeps the segment counted as
+open until it exits).
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
-import glob
-import json
 import logging
 import os
-import re
 import socket
-import stat
 import threading
 import weakref
 from collections.abc import Hashable, Iterator
@@ -62,7 +71,6 @@ import torch
 
 from nostall.errors import (
     ArgumentError,
-    BusyError,
     ClosedError,
     DeviceError,
     PoolExhausted,
@@ -72,14 +80,22 @@ from nostall.memory.events import event_done, wait_event
 from nostall.memory.host import HostArena, hugepage_bytes, round_up
 from nostall.memory.pinning import Pinning, device_index, teardown
 from nostall.memory.pool import GRANULE, Block, PoolStats, check_capacity, size_class
-from nostall.memory.shared_index import Entry, Index, IndexFile, alive, digest, process_id
+from nostall.memory.shared_attach import Attachment
+from nostall.memory.shared_index import Entry, Index, IndexFile, digest, process_id
+from nostall.memory.shared_journal import Journals
+from nostall.memory.shared_segment import (
+    SegmentInfo,
+    default_root,
+    destroy,
+    list_segments,
+    open_segment,
+    segment_path,
+)
 
-__all__ = ["SharedBlock", "SharedPool"]
+__all__ = ["SegmentInfo", "SharedBlock", "SharedPool", "default_root", "segment_path"]
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
-MAX_NAME = 100
 MAX_KEY = 64 << 10  # bytes of repr(key): a checkpoint's identity is a few hundred
 
 
@@ -99,7 +115,7 @@ class SharedBlock(Block):
 
     def __init__(self, pool: SharedPool, entry: tuple[str, str], e: Entry, key, writing: bool):
         super().__init__(pool, e.offset, e.size, e.nbytes, key)  # type: ignore[arg-type]
-        self.entry = entry  # (epoch, id): ids restart when the index is started afresh
+        self.entry = entry  # (epoch, id): a new epoch, whose ids restart, names other entries
         self.writing = writing
         self.invalid = self.released = False
 
@@ -111,62 +127,19 @@ class SharedBlock(Block):
         )
 
 
-class _Book:
-    """This pool object's holds in the index; shared with its finalizer, never the pool."""
-
-    def __init__(self, proc: str):
-        self.pid, self.proc = os.getpid(), proc
-        # (epoch, entry id) → holds of this pool object
-        self.holds: dict[tuple[str, str], int] = {}
-        self.writing: set[tuple[str, str]] = set()  # allocated here, unpublished
-        self.attached = False
-
-    def add(self, eid: tuple[str, str], writing: bool) -> None:
-        self.holds[eid] = self.holds.get(eid, 0) + 1
-        if writing:
-            self.writing.add(eid)
-
-    def drop(self, eid: tuple[str, str]) -> None:
-        n = self.holds.get(eid, 0) - 1
-        if n > 0:
-            self.holds[eid] = n
-        else:
-            self.holds.pop(eid, None)
-        self.writing.discard(eid)
-
-    def detach(self, index: IndexFile, capacity: int) -> None:
-        """Give up every hold and the attachment; unpublished entries are freed."""
-        if self.pid != os.getpid():
-            return  # a forked child's copy: the holds are its parent's
-        with index.transaction(capacity) as doc:
-            if not self.attached:
-                return
-            for (epoch, eid), n in self.holds.items():
-                if epoch != doc.epoch:
-                    continue  # the index was started afresh since: nothing of ours is left
-                if (epoch, eid) in self.writing:
-                    doc.entries.pop(eid, None)
-                else:
-                    doc.unhold(eid, self.proc, n)
-            left = doc.attached.get(self.proc, 0) - 1
-            if left > 0:
-                doc.attached[self.proc] = left
-            else:
-                doc.attached.pop(self.proc, None)
-            # Cleared under the index lock: a release racing with close() sees it.
-            self.holds.clear()
-            self.writing.clear()
-            self.attached = False
-
-
-def _finalize(book: _Book, index: IndexFile, capacity: int, pinning: Pinning, thread) -> None:
+def _finalize(book: Attachment, pinning: Pinning, thread) -> None:
     # Runs from close(), when a pool is garbage-collected, and at interpreter exit.
     try:
-        book.detach(index, capacity)
+        book.detach()
     except Exception as e:  # the index stays as it was; the next open prunes us once gone
-        log.warning("shared pool %s: could not give up this process's holds: %s", index.path, e)
+        log.warning(
+            "shared pool %s: could not give up this process's holds: %s", book.segment.path, e
+        )
     finally:
-        teardown(pinning, thread, pinning.arena)
+        try:
+            teardown(pinning, thread, pinning.arena)
+        finally:
+            book.leave()  # only once unmapped: nobody may replace the file before
 
 
 class SharedPool:
@@ -176,12 +149,18 @@ class SharedPool:
     bytes (rounded up to 2 MiB); later ones map it. With a CUDA ``device``, this process
     pins its mapping in a background thread (``slab_bytes`` per registration, through that
     GPU's context); :meth:`wait_pinned` waits for it. Without one (``None`` or a CPU
-    device) nothing is registered and no CUDA call is made.
+    device) nothing is registered and no CUDA call is made. ``root`` defaults to
+    :func:`default_root` (``$NOSTALL_SHM_DIR``, else ``/dev/shm``).
+
+    When the last pool of the host closes, the segment and its files are removed, unless
+    ``keep`` (this open or an earlier one's: the mark lasts until :meth:`destroy`).
 
     Raises :class:`~nostall.ArgumentError` for a bad name (empty, a ``/``, over 100
     characters, other than letters, digits, ``.``, ``_``, ``-``), a capacity beyond the
     memory limit or the file system at ``root``, or a ``root`` that is not a writable
-    folder; :class:`~nostall.DeviceError` for a CUDA device without CUDA.
+    folder; :class:`~nostall.BusyError` for a segment other processes have open that this
+    one cannot map (its size is named); :class:`~nostall.DeviceError` for a CUDA device
+    without CUDA.
 
     >>> import tempfile
     >>> root = tempfile.mkdtemp()
@@ -193,8 +172,9 @@ class SharedPool:
     ...     hit.tensor[:3].tolist(), pool.cached_keys()
     ...     hit.release()
     ([7, 7, 7], ['weights'])
-    >>> SharedPool.destroy("doc", root=root), os.rmdir(root)
-    (True, None)
+    >>> os.listdir(root)  # the last pool to close removed the segment
+    []
+    >>> os.rmdir(root)
     """
 
     def __init__(
@@ -203,10 +183,11 @@ class SharedPool:
         capacity: int,
         *,
         device: str | torch.device | int | None = None,
-        root: str | os.PathLike = "/dev/shm",
+        root: str | os.PathLike | None = None,
         slab_bytes: int = 1 << 30,
         evict: bool = True,
         background: bool = True,
+        keep: bool = False,
     ):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
             raise ArgumentError(
@@ -216,7 +197,7 @@ class SharedPool:
         if slab_bytes <= 0 or slab_bytes % GRANULE:
             raise ArgumentError(f"slab_bytes={slab_bytes} must be a positive multiple of {GRANULE}")
         self.name = name
-        self.root = os.fspath(root)
+        self.root = os.fspath(default_root() if root is None else root)
         self.host = socket.gethostname()
         self.path = segment_path(name, self.root)
         capacity = round_up(capacity, GRANULE)
@@ -227,23 +208,26 @@ class SharedPool:
         self.device = _pin_device(device)
         self.pin = self.device is not None
         self.auto_evict = evict
-        self._index = IndexFile(self.path, self.host)
-        self._book = _Book(proc)
+        journals = Journals(self.path)
+        self._index = IndexFile(self.path, self.host, journals)
         self._lock = threading.Lock()
         self._released = threading.Condition(self._lock)  # notified when a handle goes
         self._live: set[SharedBlock] = set()
         self._pending = 0  # allocations and lookups in flight
         self._state = "open"  # open → closing → closed
-        fd, self.capacity = self._open_segment(capacity)
+        self._book = self._open(capacity, proc, journals, keep)
+        seg = self._book.segment
+        self.capacity = seg.size
         try:
             self.arena = HostArena(
-                self.capacity, segment_bytes=slab_bytes, device=self.device, fd=fd
+                self.capacity, segment_bytes=slab_bytes, device=self.device, fd=seg.fd
             )
         except BaseException:
-            self._book.detach(self._index, self.capacity)
+            self._book.detach()
+            self._book.leave()
             raise
         finally:
-            os.close(fd)  # the arena keeps its own descriptor
+            os.close(seg.fd)  # the arena keeps its own descriptor
         self._pinning = Pinning(self.arena, self.pin, self.device)
         self._pinner: threading.Thread | None = None
         if not self.pin:
@@ -252,9 +236,7 @@ class SharedPool:
             self._pinner = threading.Thread(
                 target=self._pinning.run, name="nostall-shared-pin", daemon=True
             )
-        self._finalizer = weakref.finalize(
-            self, _finalize, self._book, self._index, self.capacity, self._pinning, self._pinner
-        )
+        self._finalizer = weakref.finalize(self, _finalize, self._book, self._pinning, self._pinner)
         if self._pinner is not None:
             self._pinner.start()
         elif self.pin:
@@ -262,12 +244,21 @@ class SharedPool:
 
     # ---- the segment -------------------------------------------------------------
 
-    def _open_segment(self, capacity: int) -> tuple[int, int]:
-        """Create or map the segment and attach to it, under the lock; returns an open
-        descriptor and the segment's capacity."""
+    def _open(self, capacity: int, proc: str, journals: Journals, keep: bool) -> Attachment:
+        """Create or open the segment and attach to it, under the index lock."""
         try:
             with self._index.locked():
-                return self._attach(capacity)
+                seg = open_segment(self.path, capacity, self.root)
+                try:
+                    if keep:
+                        os.close(os.open(self.path + ".keep", os.O_WRONLY | os.O_CREAT, 0o600))
+                    book = Attachment(proc, self._index, journals.new(proc), seg)
+                    book.attach()
+                    return book
+                except BaseException:
+                    os.close(seg.fd)
+                    seg.close()
+                    raise
         except OSError as e:
             raise ArgumentError(
                 f"cannot open the shared pool's files ({e.filename or self.path}): "
@@ -275,68 +266,59 @@ class SharedPool:
                 field="root",
             ) from e
 
-    def _attach(self, capacity: int) -> tuple[int, int]:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ArgumentError(f"{self.path} is not a regular file; remove it", field="name")
-            size = st.st_size
-            doc = self._index.read(size) if size else None
-            if doc is not None and size != capacity and doc.attached:
-                log.warning(
-                    "shared pool %s exists with %d bytes, open in %d process(es): using it "
-                    "as it is instead of the %d bytes asked for",
-                    self.path,
-                    size,
-                    len(doc.attached),
-                    capacity,
-                )
-            elif size != capacity:
-                if size:
-                    log.warning(
-                        "shared pool %s: recreating it with %d bytes instead of %d (no "
-                        "process has it open; its cached entries are dropped)",
-                        self.path,
-                        capacity,
-                        size,
-                    )
-                _check_room(self.root, capacity)
-                os.ftruncate(fd, 0)  # frees the old pages
-                os.ftruncate(fd, capacity)  # sparse: pages come as blocks are carved
-                size, doc = capacity, self._index.fresh(capacity)
-            assert doc is not None
-            doc.attached[self._book.proc] = doc.attached.get(self._book.proc, 0) + 1
-            self._index.write(doc)
-            self._book.attached = True
-            return fd, size
-        except BaseException:
-            os.close(fd)
-            raise
+    @property
+    def keep(self) -> bool:
+        """Whether the segment outlives its last pool (else that pool's close removes it)."""
+        return os.path.exists(self.path + ".keep")
 
     @classmethod
     def destroy(
-        cls, name: str, *, root: str | os.PathLike = "/dev/shm", force: bool = False
+        cls, name: str, *, root: str | os.PathLike | None = None, force: bool = False
     ) -> bool:
-        """Remove the segment ``name`` under ``root`` and its index; ``False`` if there was
+        """Remove the segment ``name`` under ``root`` and its files; ``False`` if there was
         none. Raises :class:`~nostall.BusyError` naming the processes that still have it
-        open, unless ``force`` (they keep their mapping, and nobody finds it again)."""
-        path = segment_path(name, os.fspath(root))
-        index = IndexFile(path, socket.gethostname())
-        if not any(os.path.exists(p) for p in (path, index.path, index.lock_path)):
-            return False
-        with index.locked():
-            users = [p for p in _attached(index.path) if alive(p)]
-            if users and not force:
-                raise BusyError(
-                    f"shared pool {path} is open in process(es) {', '.join(users)} "
-                    "(pid-start time); close them first, or pass force=True"
-                )
-            leftovers = glob.glob(glob.escape(index.path) + ".*.tmp")  # writers that died
-            for p in [path, index.path, *leftovers, index.lock_path]:  # the lock last, held
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(p)
-        return True
+        open, unless ``force`` (they keep their mapping, nobody finds it again, and their
+        next use of the pool raises :class:`~nostall.ClosedError`)."""
+        return destroy(name, os.fspath(default_root() if root is None else root), force=force)
+
+    @classmethod
+    def segments(cls, *, root: str | os.PathLike | None = None) -> list[SegmentInfo]:
+        """Every segment of this host under ``root`` (default :func:`default_root`): its
+        name, size, the RAM its pages take, entries, the processes that have it open,
+        whether it is kept.
+
+        >>> import tempfile
+        >>> root = tempfile.mkdtemp()
+        >>> with SharedPool("doc", 8 << 20, root=root) as pool:
+        ...     [(s.name, s.capacity, s.in_use) for s in SharedPool.segments(root=root)]
+        [('doc', 8388608, True)]
+        >>> os.rmdir(root)
+        """
+        return list_segments(os.fspath(default_root() if root is None else root))
+
+    @classmethod
+    def set_keep(
+        cls, name: str, keep: bool = True, *, root: str | os.PathLike | None = None
+    ) -> None:
+        """Mark the segment ``name`` to outlive its last pool (``keep=False``: unmark it,
+        and its last pool removes it again), whether or not it exists yet: workers opened
+        later with ``host_tier="shared:NAME"`` then keep their tier across restarts.
+
+        >>> import tempfile
+        >>> root = tempfile.mkdtemp()
+        >>> SharedPool.set_keep("doc", root=root)
+        >>> with SharedPool("doc", 8 << 20, root=root) as pool:
+        ...     pool.keep
+        True
+        >>> SharedPool.destroy("doc", root=root), os.rmdir(root)
+        (True, None)
+        """
+        path = segment_path(name, os.fspath(default_root() if root is None else root))
+        if keep:
+            os.close(os.open(path + ".keep", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path + ".keep")
 
     # ---- pinning -----------------------------------------------------------------
 
@@ -377,6 +359,8 @@ class SharedPool:
                     raise self._exhausted(doc, size, nbytes)
                 eid = doc.add(text, offset, size, nbytes, self._book.proc)
                 entry = doc.entries[eid]
+                with self._lock:
+                    self._book.add(doc.epoch, eid, entry, writing=True)
             block = self._handle((doc.epoch, eid), entry, key, writing=True)
         except BaseException:
             self._end(None)
@@ -414,6 +398,9 @@ class SharedPool:
             with self._transaction() as doc:
                 eid = doc.ready(wanted)
                 e = None if eid is None else doc.hold(eid, self._book.proc)
+                if eid is not None and e is not None:
+                    with self._lock:
+                        self._book.add(doc.epoch, eid, e, writing=False)
             if eid is None or e is None:
                 self._end(None)
                 return None
@@ -492,7 +479,8 @@ class SharedPool:
         return self._state != "open"
 
     def close(self, timeout: float | None = 60.0) -> None:
-        """Give up this process's holds and unmap; the segment stays for the others.
+        """Give up this process's holds and unmap; the segment stays for the others. The
+        last pool of the host to close removes it, unless :attr:`keep`.
 
         New allocations and lookups are refused from the call on. Blocks other threads
         still hold are waited for up to ``timeout`` seconds, then given up anyway (their
@@ -524,7 +512,7 @@ class SharedPool:
             )
         for e in events:
             wait_event(e)  # no copy may read the bytes once another process may reuse them
-        self._finalizer()  # gives up the holds, stops pinning, unregisters, unmaps
+        self._finalizer()  # gives up the holds, stops pinning, unregisters, unmaps, leaves
         with self._lock:
             self._state = "closed"
 
@@ -535,7 +523,7 @@ class SharedPool:
         self.close()
 
     def __repr__(self) -> str:
-        held = sum(self._book.holds.values())
+        held = sum(h.count for h in self._book.holds.values())
         return (
             f"SharedPool(name={self.name!r}, path={self.path!r}, capacity={self.capacity}, "
             f"held_here={held}, state={self._state})"
@@ -550,7 +538,7 @@ class SharedPool:
                 f"this SharedPool was opened by process {self._book.pid}; a forked child "
                 f"opens its own: SharedPool({self.name!r}, capacity, root={self.root!r})"
             )
-        with self._index.transaction(self.capacity) as doc:
+        with self._book.transaction() as doc:
             yield doc
 
     def _begin(self) -> None:
@@ -568,9 +556,8 @@ class SharedPool:
             self._released.notify_all()
 
     def _handle(self, eid: tuple[str, str], e: Entry, key, *, writing: bool) -> SharedBlock:
-        block = SharedBlock(self, eid, e, key, writing)
+        block = SharedBlock(self, eid, e, key, writing)  # in the book already
         with self._released:
-            self._book.add(eid, writing)
             self._live.add(block)
             self._pending -= 1
         return block
@@ -585,14 +572,20 @@ class SharedPool:
 
     def _invalidate(self, block: SharedBlock) -> None:
         with self._lock:
+            if block.released or self._state == "closed":
+                return  # nothing of it is ours to change any more
             block.invalid = True
-            if (block.writing and not block.released) or self._state == "closed":
-                return  # its release frees it; or nothing is served to us any more
+            if block.writing:
+                return  # its release frees it
         epoch, eid = block.entry
-        with self._transaction() as doc:
-            e = doc.entries.get(eid) if epoch == doc.epoch else None
-            if e is not None and e.state == "ready":
-                doc.retire(eid)
+        try:
+            with self._transaction() as doc:
+                e = doc.entries.get(eid) if epoch == doc.epoch else None
+                if e is not None and e.state == "ready":
+                    doc.retire(eid)
+        except ClosedError:
+            if not self._book.orphaned:
+                raise  # the segment is gone: nobody is served from it again
 
     def _release(self, block: SharedBlock) -> None:
         with self._lock:
@@ -606,22 +599,30 @@ class SharedPool:
             wait_event(e)
         epoch, eid = block.entry
         try:
-            with self._transaction() as doc:
-                if not self._book.attached:
-                    pass  # close() gave every hold up already
-                elif epoch != doc.epoch or eid not in doc.entries:
-                    pass  # gone with an index that was started afresh
-                elif block.writing and (block.invalid or block.key is None):
-                    del doc.entries[eid]
-                elif block.writing:
-                    doc.publish(eid, self._book.proc)
-                else:
-                    doc.unhold(eid, self._book.proc)
-                # Under the index lock, as close() clears the book: never given up twice.
-                with self._lock:
-                    self._book.drop(block.entry)
+            self._give_up(block, epoch, eid)
+        except ClosedError:
+            if not self._book.orphaned:
+                raise
+            with self._lock:
+                self._book.drop(block.entry)  # the segment is gone: nothing to give back
         finally:
             self._end(block)
+
+    def _give_up(self, block: SharedBlock, epoch: str, eid: str) -> None:
+        with self._transaction() as doc:
+            if not self._book.attached:
+                pass  # close() gave every hold up already
+            elif epoch != doc.epoch or eid not in doc.entries:
+                pass  # gone with an index that was started afresh
+            elif block.writing and (block.invalid or block.key is None):
+                del doc.entries[eid]
+            elif block.writing:
+                doc.publish(eid, self._book.proc)
+            else:
+                doc.unhold(eid, self._book.proc)
+            # Under the index lock, as close() clears the book: never given up twice.
+            with self._lock:
+                self._book.drop(block.entry)
 
     def _exhausted(self, doc: Index, size: int, nbytes: int) -> PoolExhausted:
         held = [e for e in doc.entries.values() if e.holders]
@@ -630,7 +631,7 @@ class SharedPool:
         largest = doc.ranges().largest
         hint = (
             "release blocks you hold, close idle workers, or recreate the segment larger "
-            "(SharedPool.destroy(name) once no worker has it open)"
+            "(nostall shm rm NAME, or SharedPool.destroy(name), once no worker has it open)"
             if self.auto_evict
             else "evict cached entries with pool.evict(), or release blocks you hold"
         )
@@ -643,25 +644,6 @@ class SharedPool:
             in_use=stuck,
             largest_free=largest,
         )
-
-
-def segment_path(name: str, root: str) -> str:
-    """The segment file of ``name`` under ``root`` for this host.
-
-    >>> segment_path("tier", "/dev/shm").startswith("/dev/shm/nostall-")
-    True
-    """
-    if not isinstance(name, str) or not _NAME.match(name) or len(name) > MAX_NAME:
-        raise ArgumentError(
-            f"shared pool name {name!r}: use 1 to {MAX_NAME} letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit (it becomes a file name)",
-            field="name",
-            allowed=_NAME.pattern,
-        )
-    if not os.path.isdir(root):
-        raise ArgumentError(f"root={root!r} is not a folder; give an existing one", field="root")
-    host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64] or "host"
-    return os.path.join(root, f"nostall-{host}-{name}")
 
 
 def _key_text(key: Hashable) -> str:
@@ -699,36 +681,3 @@ def _pin_device(device: str | torch.device | int | None) -> int | None:
             "open the pool with device=None"
         )
     return device_index(dev)
-
-
-def _check_room(root: str, capacity: int) -> None:
-    try:
-        st = os.statvfs(root)
-    except OSError:
-        return
-    total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-    if total and capacity > total:
-        raise ArgumentError(
-            f"shared pool capacity {capacity / 1e9:.2f} GB exceeds the file system at {root} "
-            f"({total / 1e9:.2f} GB); enlarge it (docker run --shm-size, or remount /dev/shm "
-            "with a larger size=), give a smaller capacity, or another root=",
-            field="capacity",
-        )
-    if capacity > free:
-        log.warning(
-            "shared pool capacity %.2f GB exceeds the %.2f GB free at %s now: allocations "
-            "fail with PoolExhausted once it is full",
-            capacity / 1e9,
-            free / 1e9,
-            root,
-        )
-
-
-def _attached(index_path: str) -> list[str]:
-    """The processes an index records as attached, read leniently (for destroy)."""
-    try:
-        with open(index_path, "rb") as f:
-            doc = json.loads(f.read())
-        return [p for p in doc["attached"] if isinstance(p, str)]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []

@@ -3,13 +3,14 @@
 Two small files sit beside the segment ``<root>/nostall-<host>-<name>``:
 
 * ``<segment>.lock``: empty. ``flock(LOCK_EX)`` on it guards every read-modify-write of
-  the index, and the creation or resizing of the segment.
+  the index and of the journals, and the creation, replacement or removal of the segment
+  (:mod:`nostall.memory.shared_segment`).
 * ``<segment>.index``: the JSON document below, replaced whole (written under a temporary
   name in the same folder, then ``os.replace``), so no reader ever sees half of it::
 
     {"format": 1, "host": "gpu-7", "boot": "<kernel boot id>", "capacity": 1073741824,
      "epoch": "<random, new with every empty index>", "clock": 812, "next_id": 57,
-     "attached": {"4121-88213": 1},              # processes that have the segment open
+     "attached": {"4121-88213": 1},              # pools open, per process (informational)
      "entries": {"56": {"digest": "<sha256 of repr(key)>", "key": "<repr(key)>",
                         "offset": 0, "size": 2097152, "nbytes": 1000,
                         "state": "ready",         # writing | ready | retired
@@ -22,19 +23,25 @@ to that writer; ``ready`` entries are served to every process; a ``retired`` ent
 copy of its key was published, or a reader invalidated it) is served to nobody and is freed
 when its last holder lets go. ``clock`` counts uses, so recency is comparable across
 processes whatever their wall clocks say. ``epoch`` changes whenever the index is started
-afresh, so a handle from before (whose entry id may be reused) is told apart.
+empty, so a handle from before (whose entry id may be reused) is told apart; an index
+rebuilt from the journals keeps the epoch and the ids its holders' handles name.
 
 A process is named ``<pid>-<start time>`` (field 22 of ``/proc/<pid>/stat``), so a pid the
 kernel hands to a new process is not taken for the one that died. Every transaction first
-drops the processes that are gone (zombies included): their attachments and their holds,
-and it frees the entries they were writing, whose bytes are half written.
+drops the processes that are gone (zombies included): their attachments, their holds and
+their journals, and it frees the entries they were writing, whose bytes are half written.
+Whether a segment is open anywhere is never read from ``attached`` but from the file locks
+on the segment (:mod:`nostall.memory.shared_segment`): a damaged index cannot make a
+segment in use look free.
 
-An index that cannot be read or parsed, breaks an invariant (entries that overlap or leave
-the segment), was written before the last boot, or records another capacity than the
-segment's, is replaced by an empty one with a warning: the segment's bytes are then simply
-reused. One that names another host is refused with :class:`~nostall.ArgumentError`; one of
-another format that live processes still use (another nostall version) with
-:class:`~nostall.UnsupportedError`.
+An index that is missing, cannot be read or parsed, breaks an invariant (entries that
+overlap or leave the segment), was written before the last boot, or records another
+capacity than the segment's, is rebuilt from the journals of the live processes
+(:mod:`nostall.memory.shared_journal`), with a warning: what they hold or write is kept,
+cached entries are dropped. The segment's size is read from the segment, under the lock,
+by every transaction, so once rebuilt an index agrees with every process. One that names
+another host is refused with :class:`~nostall.ArgumentError`; one of another format that
+live processes still use (another nostall version) with :class:`~nostall.UnsupportedError`.
 """
 
 from __future__ import annotations
@@ -47,14 +54,15 @@ import logging
 import os
 import re
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 from nostall.errors import ArgumentError, UnsupportedError
 from nostall.memory.pool import GRANULE
 from nostall.memory.ranges import Ranges
 
-__all__ = ["Entry", "Index", "IndexFile", "alive", "digest", "process_id"]
+__all__ = ["Entry", "Index", "IndexFile", "Recovery", "alive", "digest", "process_id"]
 
 log = logging.getLogger(__name__)
 
@@ -302,11 +310,24 @@ def _check_entry(eid: str, e: Entry, capacity: int) -> None:
     _int(e.last_used)
 
 
-class IndexFile:
-    """The lock and the index files of the segment at ``segment``, recorded for ``host``."""
+class Recovery(Protocol):
+    """What rebuilds a lost index (:class:`~nostall.memory.shared_journal.Journals`)."""
 
-    def __init__(self, segment: str, host: str):
-        self.segment, self.host = segment, host
+    def recover(self, index: Index) -> tuple[int, int]:
+        """Fill a fresh ``index`` with what live processes hold; returns (pools, entries)."""
+        ...
+
+    def forget(self, procs: Iterable[str]) -> None:
+        """Drop what the processes ``procs``, gone, recorded."""
+        ...
+
+
+class IndexFile:
+    """The lock and the index files of the segment at ``segment``, recorded for ``host``;
+    an index that must be rebuilt is rebuilt from ``journals`` (without: empty)."""
+
+    def __init__(self, segment: str, host: str, journals: Recovery | None = None):
+        self.segment, self.host, self.journals = segment, host, journals
         self.path = segment + ".index"
         self.lock_path = segment + ".lock"
         self.boot = boot_id()
@@ -336,8 +357,12 @@ class IndexFile:
 
     def read(self, capacity: int) -> Index:
         """The index of a segment of ``capacity`` bytes (call with the lock held), pruned of
-        processes that are gone; an empty one where it is missing or cannot be trusted."""
+        processes that are gone; rebuilt where it is missing or cannot be trusted."""
         return self._load(capacity)[0]
+
+    def reset(self, capacity: int) -> None:
+        """Write an empty index (call with the lock held): the segment was just created."""
+        self.write(self.fresh(capacity))
 
     def _load(self, capacity: int) -> tuple[Index, bool]:
         """:meth:`read`, and whether the index differs from the file (pruned, rebuilt)."""
@@ -345,7 +370,7 @@ class IndexFile:
             with open(self.path, "rb") as f:
                 doc = json.loads(f.read())
         except FileNotFoundError:
-            return self.fresh(capacity), True
+            return self._rebuilt(capacity, "it is missing", quiet=True), True
         except (OSError, ValueError) as e:
             return self._rebuilt(capacity, f"it cannot be read ({type(e).__name__}: {e})"), True
         host = doc.get("host") if isinstance(doc, dict) else None
@@ -381,6 +406,8 @@ class IndexFile:
         dead = index.prune()
         if dead:
             log.info("shared pool %s: dropped processes that are gone: %s", self.segment, dead)
+            if self.journals is not None:
+                self.journals.forget(dead)
         return index, bool(dead)
 
     def write(self, index: Index) -> None:
@@ -397,21 +424,32 @@ class IndexFile:
             raise
 
     @contextlib.contextmanager
-    def transaction(self, capacity: int) -> Iterator[Index]:
-        """Lock, read, let the body change the index, write it back if it changed. A body
-        that raises changes nothing."""
-        with self.locked():
-            index, stale = self._load(capacity)
-            before = index.to_json()
-            yield index
-            if stale or index.to_json() != before:
-                self.write(index)
+    def update(self, capacity: int) -> Iterator[Index]:
+        """Read the index of a segment of ``capacity`` bytes (call with the lock held), let
+        the body change it, write it back if it changed. A body that raises changes
+        nothing."""
+        index, stale = self._load(capacity)
+        before = index.to_json()
+        yield index
+        if stale or index.to_json() != before:
+            self.write(index)
 
-    def _rebuilt(self, capacity: int, why: str) -> Index:
+    def _rebuilt(self, capacity: int, why: str, *, quiet: bool = False) -> Index:
+        """A new index of ``capacity`` bytes holding what the live processes' journals
+        hold; ``quiet``: warn only if they hold anything (a missing index is the rule
+        before a segment's first pool writes it)."""
+        index = self.fresh(capacity)
+        pools, kept = (0, 0) if self.journals is None else self.journals.recover(index)
+        if quiet and not pools:
+            return index
         log.warning(
-            "shared pool index %s: %s; starting an empty index (cached entries are dropped, "
-            "the segment's bytes are reused)",
+            "shared pool index %s: %s; rebuilding it from the journals of the %d pool(s) "
+            "open on the segment: %d entr%s they hold or write kept (served to nobody "
+            "else), cached entries dropped",
             self.path,
             why,
+            pools,
+            kept,
+            "y" if kept == 1 else "ies",
         )
-        return self.fresh(capacity)
+        return index
