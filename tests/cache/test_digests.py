@@ -103,3 +103,22 @@ def test_two_processes_writing_at_once_lose_nothing(tmp_path):
     assert all(
         index.get(_ident(k * 1000 + n)) == f"d{k * 1000 + n}" for k in range(2) for n in range(150)
     )
+
+
+def test_a_row_edited_by_hand_fails_its_checksum_and_is_dropped_said_once(tmp_path, caplog):
+    index = DigestIndex(tmp_path)
+    index.put(_ident(1), "/m/a", "d1")
+    index.put(_ident(2), "/m/b", "d2")
+    index.close()
+    with sqlite3.connect(tmp_path / FILENAME) as db:  # b's row now claims a's digest
+        db.execute("UPDATE digests SET digest = 'd1' WHERE ino = 2")
+    with caplog.at_level(logging.WARNING, logger="nostall.cache.digests"):
+        fresh = DigestIndex(tmp_path)
+        assert fresh.get(_ident(2)) is None and fresh.get(_ident(2)) is None
+        assert fresh.get(_ident(1)) == "d1"  # its neighbours are kept
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "'/m/b'" in said[0] and "checksum" in said[0]
+    with sqlite3.connect(tmp_path / FILENAME) as db:
+        assert db.execute("SELECT count(*) FROM digests WHERE ino = 2").fetchone() == (0,)
+    fresh.put(_ident(2), "/m/b", "d2")  # hashed again when next read: a good row
+    assert DigestIndex(tmp_path).get(_ident(2)) == "d2"

@@ -180,3 +180,60 @@ def test_one_store_per_folder_is_shared_while_something_uses_it(store, tmp_path)
     assert gone() is None
     fresh = Store.shared(store, cache_dir=tmp_path)
     assert fresh._entries == {}
+
+
+def _wide_tree(root, *, folders=4, files=400):
+    """A folder like /usr/lib: a few subfolders of many files, and more below them."""
+    for i in range(folders):
+        sub = root / f"lib{i}" / "deeper"
+        sub.mkdir(parents=True)
+        for j in range(files):
+            (root / f"lib{i}" / f"f{j}.so").write_bytes(b"x")
+        (sub / "never-read").write_bytes(b"y" * 1000)
+    return root
+
+
+def test_a_component_linked_to_a_large_folder_is_refused_at_once_naming_it(store, tmp_path):
+    import time
+
+    import nostall
+
+    big = _wide_tree(tmp_path / "big")
+    root = tmp_path / "s"
+    p = _copy(store, tmp_path)
+    shutil.rmtree(p / "tokenizer")
+    (p / "tokenizer").symlink_to(big, target_is_directory=True)
+    t0 = time.perf_counter()
+    with pytest.raises(CheckpointError, match="entries or more") as info:
+        Store(root, cache_dir=False).entry("flux")
+    assert time.perf_counter() - t0 < 1.0
+    said = str(info.value)
+    assert "'tokenizer'" in said and f"link to {big}" in said and str(p / "tokenizer") in said
+    # A weights component linked there: no config.json, said so (not "vanished").
+    (p / "tokenizer").unlink()
+    shutil.copytree(store / "flux" / "tokenizer", p / "tokenizer")
+    shutil.rmtree(p / "vae")
+    (p / "vae").symlink_to(big, target_is_directory=True)
+    with pytest.raises(CheckpointError, match=r"has no config\.json") as info:
+        Store(root, cache_dir=False).entry("flux")
+    assert "'vae'" in str(info.value) and f"link to {big}" in str(info.value)
+    # A component linked to another pipeline's (a shared VAE) is served, as one copy;
+    # a tokenizer one folder down is read, two folders down is not looked at.
+    b = _copy(store, tmp_path, "flux-b")
+    shutil.rmtree(b / "vae")
+    (b / "vae").symlink_to(store / "flux" / "vae", target_is_directory=True)
+    (b / "tokenizer" / "extra" / "deeper").mkdir(parents=True)
+    (b / "tokenizer" / "extra" / "template.jinja").write_text("{{ x }}")
+    (b / "tokenizer" / "extra" / "deeper" / "big.bin").write_bytes(b"z" * 1000)
+    with nostall.ModelCache(root, device="cpu", cache_dir=False) as cache:
+        with cache.use("flux-b") as pipe:
+            assert pipe.vae is not None
+        assert cache.store.entry("flux-b").components["vae"].folder == str(b / "vae")
+        with pytest.raises(CheckpointError, match=r"has no config\.json"), cache.use("flux"):
+            pass
+    s = Store(root, cache_dir=False)
+    key = s.entry("flux-b").components["tokenizer"].digest
+    (b / "tokenizer" / "extra" / "deeper" / "big.bin").write_bytes(b"w" * 1000)
+    assert Store(root, cache_dir=False).entry("flux-b").components["tokenizer"].digest == key
+    (b / "tokenizer" / "extra" / "template.jinja").write_text("{{ y }}")
+    assert s.entry("flux-b").components["tokenizer"].digest != key  # re-scanned: changed

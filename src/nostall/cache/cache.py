@@ -613,6 +613,7 @@ class ModelCache:
                         in_place,
                         build_s=build_s,
                         key=self._host.key(c.digest),
+                        hash=self.store.must_hash(c),
                     )
                 )
                 inst.build_s = 0.0  # reported once, by the switch that built it

@@ -13,11 +13,19 @@ locking between processes, so two workers writing at once is safe. Faults never 
 load: an index that is corrupt is moved aside and rebuilt, one that cannot be opened or
 written (read-only folder, full disk) is bypassed for the rest of the process, which
 then keeps its digests in memory; each is said once in the log.
+
+Each row carries a checksum of everything in it (identity, path, digest): a row edited
+by hand or corrupted fails it, is dropped and said in the log, and its file is hashed
+again when next read. A checksum is no proof (any program can write a consistent
+row), so the store does not trust a row with sharing either: :mod:`nostall.cache.keys`.
+Rows live in table ``digests``; the ``files`` table of versions before the checksum is
+left to them (its files are hashed once more, on their next read).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import sqlite3
@@ -32,6 +40,7 @@ __all__ = ["DigestIndex", "default_cache_dir", "local_source"]
 log = logging.getLogger(__name__)
 
 FILENAME = "digests.sqlite"
+_TABLE = "digests"  # rows with a checksum ("files": older versions', without)
 _PRUNE_ABOVE = 100_000  # rows; older rows of files that changed or vanished are dropped
 
 
@@ -100,16 +109,21 @@ class DigestIndex:
                 return hit
             try:
                 row = self._db.execute(
-                    "SELECT digest FROM files WHERE dev=? AND ino=? AND size=? AND mtime_ns=? "
-                    "AND ctime_ns=? AND scheme=?",
+                    f"SELECT digest, path, tag FROM {_TABLE} WHERE dev=? AND ino=? AND size=? "
+                    "AND mtime_ns=? AND ctime_ns=? AND scheme=?",
                     (*_ints(identity), SCHEME),
                 ).fetchone()
             except sqlite3.Error as e:
                 self._fail("read", e)
                 return None
-            if row is not None:
-                self._memory[identity] = row[0]
-            return row[0] if row else None
+            if row is None:
+                return None
+            digest, path, tag = row
+            if tag != _tag(identity, path, digest):
+                self._drop(identity, path)
+                return None
+            self._memory[identity] = digest
+            return digest
 
     def put(self, identity: FileIdentity, path: str, digest: str) -> None:
         """Record ``digest`` for the file ``path`` with this identity (replacing what the
@@ -118,14 +132,35 @@ class DigestIndex:
             self._memory[identity] = digest
             if self._db is None:
                 return
+            path = os.path.abspath(path)
+            row = (
+                *_ints(identity),
+                SCHEME,
+                digest,
+                path,
+                time.time(),
+                _tag(identity, path, digest),
+            )
             try:
                 with self._db:
                     self._db.execute(
-                        "INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        (*_ints(identity), SCHEME, digest, os.path.abspath(path), time.time()),
+                        f"INSERT OR REPLACE INTO {_TABLE} VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        row,
                     )
             except sqlite3.Error as e:
                 self._fail("write", e)
+
+    def _drop(self, identity: FileIdentity, path: object) -> None:
+        """Delete a row that fails its checksum (the lock is held)."""
+        self._say(
+            f"digest index {self.path}: the row of {path!r} fails its checksum (edited by hand "
+            "or corrupted); dropped: the file is hashed again when next read"
+        )
+        try:
+            with self._db:
+                self._db.execute(f"DELETE FROM {_TABLE} WHERE dev=? AND ino=?", _ints(identity)[:2])
+        except sqlite3.Error as e:
+            self._fail("write", e)
 
     def close(self) -> None:
         with self._lock:
@@ -163,16 +198,16 @@ class DigestIndex:
         try:
             # Rows are keyed by (dev, ino): a file that changes replaces its own row.
             db.execute(
-                "CREATE TABLE IF NOT EXISTS files (dev INTEGER, ino INTEGER, size INTEGER, "
+                f"CREATE TABLE IF NOT EXISTS {_TABLE} (dev INTEGER, ino INTEGER, size INTEGER, "
                 "mtime_ns INTEGER, ctime_ns INTEGER, scheme TEXT, digest TEXT, path TEXT, "
-                "seen REAL, PRIMARY KEY (dev, ino))"
+                "seen REAL, tag TEXT, PRIMARY KEY (dev, ino))"
             )
             db.commit()
-            (count,) = db.execute("SELECT count(*) FROM files").fetchone()
+            (count,) = db.execute(f"SELECT count(*) FROM {_TABLE}").fetchone()
             if count > _PRUNE_ABOVE:
                 with db:
                     db.execute(
-                        "DELETE FROM files WHERE rowid IN (SELECT rowid FROM files "
+                        f"DELETE FROM {_TABLE} WHERE rowid IN (SELECT rowid FROM {_TABLE} "
                         "ORDER BY seen LIMIT ?)",
                         (count - _PRUNE_ABOVE // 2,),
                     )
@@ -204,6 +239,13 @@ def _ints(i: FileIdentity) -> tuple[int, ...]:
     return tuple(
         v - (1 << 64) if v >= 1 << 63 else v for v in (i.dev, i.ino, i.size, i.mtime_ns, i.ctime_ns)
     )
+
+
+def _tag(identity: FileIdentity, path: object, digest: object) -> str:
+    """A row's checksum: of its scheme, identity, path and digest. Not a secret (it
+    catches edits and corruption, not a forger)."""
+    text = f"{SCHEME}|{identity.key()}|{path}|{digest}"
+    return hashlib.blake2b(text.encode(), digest_size=16, person=b"nostall-digests").hexdigest()
 
 
 def _corrupt(e: sqlite3.DatabaseError) -> bool:

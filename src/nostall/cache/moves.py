@@ -37,6 +37,9 @@ class Move:
     pending: Any = None  # the loader's PendingLoad once issued
     build_s: float = 0.0
     key: str | None = None  # the host tier's key, when not the digest (a shared tier)
+    # a read from disk hashes its bytes: content unknown, or a digest index claim to prove
+    # (Store.must_hash)
+    hash: bool = False
 
     def row(self) -> ComponentSwitch:
         """This move's line of the switch report (after :func:`issue`)."""
@@ -83,9 +86,9 @@ def issue(
             "after": after if cuda else None,
             # Back at the offset its module views: no new views needed.
             "views": mv.inst.offset != mv.slot.offset,
-            # A component whose content digest is unknown is hashed by the reads that
-            # load it (reader threads, as the bytes land): no pass of its own.
-            "digest": mv.tier == "disk" and not mv.c.exact,
+            # A component whose content is unknown or unproven is hashed by the reads
+            # that load it (reader threads, as the bytes land): no pass of its own.
+            "digest": mv.tier == "disk" and mv.hash,
         }
         try:
             mv.pending = loader.start(mv.c.checkpoint, pool=pool if mv.cached else None, **kwargs)

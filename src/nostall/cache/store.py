@@ -19,8 +19,21 @@ every byte that makes them up is equal:
   shares nothing, except with itself reached through another path (a symlink, as in a
   Hugging Face cache). Once learned, the content decides: a later component with the
   same content is given the key this process first served that content under.
+  A digest the index claims is not trusted with sharing: two sets of files share one
+  copy only once this process has hashed both (:mod:`nostall.cache.keys`), and a row
+  the bytes contradict is logged and replaced.
 * tokenizers, schedulers and other files: every file's bytes (they are small), read
-  at scan time.
+  at scan time: the files at the folder's top level and one folder down (transformers
+  reads ``additional_chat_templates/`` there), never further.
+
+**Bounded.** A component folder holds a few files at its top level (config, weights,
+their shard index; a tokenizer's files), and nothing is walked below that (but a
+tokenizer's or scheduler's one folder down, above): a folder of
+more than 1,000 entries, or files of more than 1 GiB where small files belong, is a
+:class:`~nostall.CheckpointError` naming it (a link to the wrong folder, ``/usr/lib``),
+refused in milliseconds. A component folder that is a link to another component's
+folder (a shared VAE), and files that are links (a Hugging Face cache), are read as
+they are.
 
 **Never stale.** :meth:`Store.entry` re-stats every file and folder a pipeline was
 scanned from (microseconds) and scans it again when one changed, so a file rewritten
@@ -43,6 +56,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import logging
 import os
 import threading
 import weakref
@@ -51,9 +65,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nostall.cache.digests import DigestIndex, default_cache_dir, local_source
+from nostall.cache.folders import (
+    MAX_FILES_BYTES,
+    Stamp,
+    check_links,
+    check_role,
+    check_size,
+    component_files,
+    link_hint,
+    listdir,
+    read_json,
+    stamp,
+)
+from nostall.cache.keys import Keys, content_digest, identity_key
 from nostall.checkpoint import Checkpoint, resolve
 from nostall.checkpoint.digest import FileIdentity, hash_file_data
-from nostall.checkpoint.files import open_regular, parse_json
+from nostall.checkpoint.files import open_regular
 from nostall.errors import (
     AdapterError,
     ArgumentError,
@@ -66,6 +93,8 @@ from nostall.errors import (
 from nostall.io.base import REMOTE_SUFFIX
 
 __all__ = ["CONTROLNET_PIPELINES", "ComponentEntry", "PipelineEntry", "Store"]
+
+log = logging.getLogger(__name__)
 
 # the diffusers pipeline a base pipeline becomes with a ControlNet attached
 CONTROLNET_PIPELINES = {
@@ -91,8 +120,6 @@ INDEX = "model_index.json"
 # Config fields that say where or with what a component was saved, not what it is.
 _VOLATILE = {"_name_or_path", "_diffusers_version", "transformers_version", "_commit_hash"}
 
-Stamp = tuple[str, FileIdentity]  # a path and its identity when it was scanned
-
 
 @dataclass(frozen=True)
 class ComponentEntry:
@@ -109,8 +136,10 @@ class ComponentEntry:
         arch: for weights, the identity of the architecture (class, config, layout).
         checkpoint: for weights, the validated safetensors files.
         nbytes: tensor bytes on disk (0 for files).
-        content: the content digest once every byte's digest is known (``None`` until
-            the first read of a weights component whose files the index did not know).
+        content: the content digest once every byte's digest is known, hashed by this
+            process or claimed by the digest index (``None`` until the first read of a
+            weights component whose files the index did not know). A claim is served
+            under a key other files share only once proven (:mod:`nostall.cache.keys`).
     """
 
     role: str
@@ -228,8 +257,7 @@ class Store:
         self.key = _share_key(models, variant, cache_dir)
         self._entries: dict[str, PipelineEntry] = {}
         self._attached: dict[str, tuple[str, str]] = {}  # name -> (base, controlnet folder)
-        # content digest -> the key this process first served that content under
-        self._canon: dict[str, str] = {}
+        self._keys = Keys()  # which key each component is served under, and its proof
         self._lock = threading.RLock()
 
     @classmethod
@@ -311,7 +339,7 @@ class Store:
     def _with_controlnet(self, name: str) -> PipelineEntry:
         base_name, folder = self._attached[name]
         base = self.entry(base_name)
-        config = _read_json(os.path.join(folder, "config.json"), "ControlNet config")
+        config = read_json(os.path.join(folder, "config.json"), "ControlNet config")
         cls = config.get("_class_name")
         if not isinstance(cls, str):
             raise CheckpointError(
@@ -328,7 +356,7 @@ class Store:
             )
         denoiser = base.components.get("unet") or base.components.get("transformer")
         if denoiser is not None:
-            own = _read_json(os.path.join(denoiser.folder, "config.json"), "denoiser config")
+            own = read_json(os.path.join(denoiser.folder, "config.json"), "denoiser config")
             for key in _SHARED_FIELDS:
                 if key in config and key in own and config[key] != own[key]:
                     raise AdapterError(
@@ -378,11 +406,20 @@ class Store:
             entry = self._entries[name] = self._scan(name, folder)
             return entry
 
+    def must_hash(self, c: ComponentEntry) -> bool:
+        """Whether a read of ``c`` from disk must hash its bytes: its content is unknown,
+        or the index claims for it what it claims for other files too, unproven."""
+        if c.checkpoint is None:
+            return False
+        with self._lock:
+            return self._keys.must_hash(c.content, c.checkpoint)
+
     def learn(self, c: ComponentEntry, digests: list[str]) -> str:
         """Record the data digests of ``c``'s files (in its checkpoint's file order), read
         and hashed by the switch that just loaded it; return the key that content is
         served under from now on (``c.digest``, or an earlier copy's key when the same
-        bytes were already known under another)."""
+        bytes were already known under another). A digest index row that the bytes
+        contradict is logged and replaced; ``c`` was served from its own bytes."""
         ckpt = c.checkpoint
         if ckpt is None or len(digests) != len(ckpt.files):
             raise InternalError(
@@ -390,11 +427,27 @@ class Store:
                 f"{0 if ckpt is None else len(ckpt.files)} files"
             )
         for f, d in zip(ckpt.files, digests, strict=True):
-            if f.identity is not None:
-                self.index.put(f.identity, f.path, d)
-        content = _content_digest(c.library, c.class_name, c.config_key, ckpt, digests)
+            if f.identity is None:
+                continue
+            claimed = self.index.get(f.identity)
+            if claimed is not None and claimed != d:
+                log.warning(
+                    "%s: the digest index %s said its data hashes to %s…, its bytes hash to "
+                    "%s…: the row was wrong (edited, corrupted, written by another version, "
+                    "or an index copied from another machine); replaced, and component %r is "
+                    "keyed by its bytes",
+                    f.path,
+                    self.index.path or "(in memory)",
+                    claimed[:16],
+                    d[:16],
+                    c.role,
+                )
+            self.index.put(f.identity, f.path, d)
+            with self._lock:
+                self._keys.hashed(f.identity, d)
+        content = content_digest(c.library, c.class_name, c.config_key, ckpt, digests)
         with self._lock:
-            key = self._canon.setdefault(content, c.digest)
+            key = self._keys.learned(content, c.digest)
             for name, e in list(self._entries.items()):
                 roles = [
                     r for r, x in e.components.items() if x is not None and x.digest == c.digest
@@ -429,6 +482,8 @@ class Store:
             if FileIdentity.stat(f.path) != f.identity:
                 raise FileChanged("the file changed while it was hashed", path=f.path)
             self.index.put(f.identity, f.path, digest)
+            with self._lock:
+                self._keys.hashed(f.identity, digest)
             kept = f.path.removesuffix(REMOTE_SUFFIX)
             if kept != f.path and os.path.isfile(kept):
                 # A remote file the read just kept on disk (cache_dir): the same bytes.
@@ -455,8 +510,8 @@ class Store:
 
     def _scan_unlocked(self, name: str, folder: str) -> PipelineEntry:
         index_path = os.path.join(folder, INDEX)
-        stamps = [_stamp(folder), _stamp(index_path)]
-        index = _read_json(index_path, "pipeline index")
+        stamps = [stamp(folder), stamp(index_path)]
+        index = read_json(index_path, "pipeline index")
         class_name = index.get("_class_name")
         if not isinstance(class_name, str):
             raise CheckpointError(
@@ -477,7 +532,7 @@ class Store:
                 if library is None or cls is None:
                     components[key] = None
                     continue
-                _check_role(key, index_path)
+                check_role(key, index_path)
                 components[key] = self._component(
                     key, library, cls, os.path.join(folder, key), index_path
                 )
@@ -494,16 +549,31 @@ class Store:
                 "missing; the download is incomplete",
                 path=folder,
             )
-        listing = _listdir(folder)
-        _check_links(folder, listing)
+        listing = listdir(folder)
+        check_size(role, folder, len(listing))
+        check_links(folder, listing)
         if _is_module(library, cls):
             return self._weights(role, library, cls, folder, listing)
-        stamps = [_stamp(folder)]
-        digest = hashlib.sha256(f"files|{library}.{cls}\n".encode())
-        for rel in sorted(_walk(folder)):
+        folders, names = component_files(role, folder, listing)
+        stamps = [stamp(folder)] + [stamp(os.path.join(folder, rel)) for rel in folders]
+        files = []
+        for rel in names:
             path = os.path.join(folder, rel)
-            stamps.append(_stamp(path))
-            digest.update(f"{rel}|{stamps[-1][1].size}\n".encode())
+            stamps.append(stamp(path))
+            files.append((rel, path, stamps[-1][1].size))
+        held = sum(size for _, _, size in files)
+        if held > MAX_FILES_BYTES:
+            raise CheckpointError(
+                f"component {role!r} ({library}.{cls}) is read as files, and its folder holds "
+                f"{held / 2**30:.1f} GiB of them, more than the {MAX_FILES_BYTES >> 30} GiB a "
+                f"tokenizer or scheduler needs{link_hint(folder)}; point it at the "
+                "component's own folder (a module class nostall cannot import is read as files "
+                "too: install its library)",
+                path=folder,
+            )
+        digest = hashlib.sha256(f"files|{library}.{cls}\n".encode())
+        for rel, path, size in files:
+            digest.update(f"{rel}|{size}\n".encode())
             try:
                 with open_regular(path, what=f"{role} file") as f:
                     for block in iter(lambda f=f: f.read(16 << 20), b""):
@@ -512,7 +582,7 @@ class Store:
                 raise ReadError(f"cannot read the {role} file: {e.strerror or e}", path=path) from e
         content = digest.hexdigest()[:32]
         with self._lock:
-            key = self._canon.setdefault(content, content)
+            key = self._keys.files(content)
         return ComponentEntry(
             role, library, cls, folder, False, key, content=content, stamps=tuple(stamps)
         )
@@ -521,8 +591,15 @@ class Store:
         self, role: str, library: str, cls: str, folder: str, listing: list[str]
     ) -> ComponentEntry:
         config_path = os.path.join(folder, "config.json")
-        stamps = [_stamp(folder), _stamp(config_path)]
-        config = _read_json(config_path, f"{role} config")
+        if not os.path.isfile(config_path):
+            raise CheckpointError(
+                f"component {role!r} ({library}.{cls}) has no config.json: not a component "
+                f"folder save_pretrained wrote{link_hint(folder)}; download the component "
+                "again or point it at its own folder",
+                path=folder,
+            )
+        stamps = [stamp(folder), stamp(config_path)]
+        config = read_json(config_path, f"{role} config")
         try:
             ckpt = resolve(folder, variant=self.variant)
         except CheckpointError as e:
@@ -535,7 +612,7 @@ class Store:
                 ) from e
             raise
         if ckpt.source.endswith(".json"):
-            stamps.append(_stamp(ckpt.source))
+            stamps.append(stamp(ckpt.source))
         for f in ckpt.files:
             stamps.append((f.path, f.identity or FileIdentity.stat(f.path)))
         layout = hashlib.sha256()
@@ -545,15 +622,17 @@ class Store:
             for e in f.tensors:
                 layout.update(f"{e.name}|{e.dtype}|{list(e.shape)}\n".encode())
         config_key = _canonical(config)
-        known = [self.index.get(f.identity) if f.identity else None for f in ckpt.files]
-        if all(known):
-            content = _content_digest(library, cls, config_key, ckpt, known)
-            with self._lock:
-                key = self._canon.setdefault(content, content)
-        else:
-            # Not known yet: the files' identities (a symlinked copy is the same file).
-            content = None
-            key = _files_key(library, cls, config_key, ckpt)
+        files = identity_key(library, cls, config_key, ckpt)
+        with self._lock:
+            known = [self._keys.digest(f.identity, self.index) for f in ckpt.files]
+            if all(known):
+                content = content_digest(library, cls, config_key, ckpt, known)
+                verified = self._keys.verified(ckpt)
+                key = self._keys.weights(content, files, verified=verified)
+            else:
+                # Not known yet: the files' identities (a symlinked copy is the same file)
+                # until a read hashes them.
+                content, key = None, files
         return ComponentEntry(
             role,
             library,
@@ -596,37 +675,13 @@ def _share_key(models, variant: str | None, cache_dir) -> tuple:
     return (where, variant, _index_key(cache_dir))
 
 
-def _content_digest(library: str, cls: str, config_key: bytes, ckpt: Checkpoint, digests) -> str:
-    h = hashlib.sha256(f"weights|{library}.{cls}\n".encode())
-    h.update(config_key)
-    for f, d in zip(ckpt.files, digests, strict=True):
-        h.update(
-            f"{f.file_size}|{f.data_start}|{json.dumps(f.metadata, sort_keys=True)}\n".encode()
-        )
-        for e in f.tensors:
-            h.update(f"{e.name}|{e.dtype}|{list(e.shape)}|{e.begin}:{e.end}\n".encode())
-        h.update(f"data|{d}\n".encode())
-    return h.hexdigest()[:32]
-
-
-def _files_key(library: str, cls: str, config_key: bytes, ckpt: Checkpoint) -> str:
-    """A key from the files' identities (a symlinked copy is the same file): the same in
-    every process of the host while the files are unchanged."""
-    ident = hashlib.sha256(f"files|{library}.{cls}\n".encode())
-    ident.update(config_key)
-    for f in ckpt.files:
-        i = f.identity or FileIdentity.stat(f.path)
-        ident.update(f"{i.key()}\n".encode())
-    return "f" + ident.hexdigest()[:31]
-
-
 def files_key(c: ComponentEntry) -> str:
     """``c``'s key by its files' identities, whether or not its content digest is known:
     what a host tier shared between processes files it under (their digest indexes may
     know the content at different times; the files are the same)."""
     if c.checkpoint is None:
         return c.digest
-    return _files_key(c.library, c.class_name, c.config_key, c.checkpoint)
+    return identity_key(c.library, c.class_name, c.config_key, c.checkpoint)
 
 
 def _unchanged(entry: PipelineEntry) -> bool:
@@ -641,63 +696,6 @@ def _unchanged(entry: PipelineEntry) -> bool:
         except OSError:
             return False
     return True
-
-
-def _stamp(path: str) -> Stamp:
-    try:
-        return path, FileIdentity.stat(path)
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        raise ReadError(f"cannot stat: {e.strerror or e}", path=path) from e
-
-
-def _check_role(role: str, index_path: str) -> None:
-    """A component name is a folder beside ``model_index.json``: one plain name."""
-    bad = (
-        not role
-        or role in (".", "..")
-        or "/" in role
-        or "\\" in role
-        or "\0" in role
-        or os.path.isabs(role)
-        or os.sep in role
-    )
-    if bad:
-        raise CheckpointError(
-            f"model_index.json names a component {role!r}, which is not a folder name "
-            "beside it (a path leaving the pipeline folder?); nostall reads only the "
-            "pipeline's own component folders. Fix or re-download the index",
-            path=index_path,
-        )
-
-
-def _check_links(folder: str, listing: list[str]) -> None:
-    for name in listing:
-        path = os.path.join(folder, name)
-        if os.path.islink(path) and not os.path.exists(path):
-            raise CheckpointError(
-                f"{name!r} is a symbolic link to {os.readlink(path)!r}, which does not exist "
-                "(an interrupted download, or a cache whose blobs were deleted); download the "
-                "component again",
-                path=path,
-            )
-
-
-def _read_json(path: str, what: str) -> dict[str, Any]:
-    try:
-        with open_regular(path, what=what) as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"no {os.path.basename(path)}; the {what} is missing", path=path
-        ) from None
-    except OSError as e:
-        raise ReadError(f"cannot read the {what}: {e.strerror or e}", path=path) from e
-    doc = parse_json(raw, what=what, fix="re-save it with save_pretrained", path=path)
-    if not isinstance(doc, dict):
-        raise CheckpointError(f"the {what} must be a JSON object", path=path)
-    return doc
 
 
 def _is_module(library: str, cls: str) -> bool:
@@ -718,21 +716,3 @@ def _canonical(config: dict[str, Any]) -> bytes:
     return json.dumps(
         {k: v for k, v in config.items() if k not in _VOLATILE}, sort_keys=True
     ).encode()
-
-
-def _listdir(folder: str) -> list[str]:
-    try:
-        return os.listdir(folder)
-    except OSError as e:
-        raise ReadError(f"cannot list the folder: {e.strerror or e}", path=folder) from e
-
-
-def _walk(folder: str) -> list[str]:
-    out = []
-    for root, dirs, files in os.walk(folder):
-        for name in dirs:
-            _check_links(root, [name])
-        _check_links(root, files)
-        for name in files:
-            out.append(os.path.relpath(os.path.join(root, name), folder))
-    return out
