@@ -208,6 +208,50 @@ def test_bad_loras_are_typed_errors_naming_the_fault(store, tmp_path):
             pipe.set_progress_bar_config(disable=True)
 
 
+def test_a_lora_of_another_base_or_format_is_a_short_adapter_error_naming_its_first_layer(
+    store, tmp_path
+):
+    """Whichever way it fails to fit (diffusers' converter refuses it, converts it into
+    keys no component has, or the pipeline lacks its component), a LoRA of another base
+    is an AdapterError naming the file and its first layer, a few hundred characters
+    long, never every key (the kohya SDXL LoRA on FLUX was a 12 kB CheckpointError)."""
+    from safetensors.torch import save_file
+
+    from nostall.synthetic import write_lora
+
+    kohya = tmp_path / "sdxl-kohya.safetensors"
+    write_lora(store / "sdxl", kohya, rank=4, text_encoder=True, fmt="kohya", seed=4)
+    stray = tmp_path / "stray.safetensors"
+    factors = {"foo.lora_up.weight": torch.zeros(4, 2), "foo.lora_down.weight": torch.zeros(2, 4)}
+    save_file(factors, str(stray))
+    plain = tmp_path / "plain.safetensors"
+    save_file({f"blocks.{i}.weight": torch.zeros(2, 2) for i in range(40)}, str(plain))
+    cases = [  # (base, LoRA file, its first layer: None where no key is a LoRA factor)
+        ("flux", kohya, "lora_te1_text_model_encoder_layers_0_mlp_fc1"),  # converter refuses
+        ("flux", store / "loras" / "sdxl-style.safetensors", "unet.down_blocks"),
+        ("sdxl", store / "loras" / "style.safetensors", "transformer.single_transformer_blocks"),
+        ("flux", stray, "foo"),  # converted, into keys no component has
+        ("sdxl", stray, "foo"),
+        ("sdxl", plain, None),
+    ]
+    with ModelCache(store, device="cpu") as cache:
+        for base, path, layer in cases:
+            with pytest.raises(AdapterError) as e:
+                _enter(cache.use(base, loras={str(path): 1.0}))
+            said = str(e.value)
+            assert len(said) < 500, (base, path.name, said)
+            assert str(path) in said and e.value.path == str(path)
+            assert e.value.field == "loras"  # a service's 422 names the field
+            if layer is None:
+                assert e.value.layer is None
+                assert "no key of it is a LoRA factor" in said and "40 tensors" in said
+                assert "'blocks.0.weight'" in said
+            else:
+                assert e.value.layer.startswith(layer) and e.value.layer in said
+        with cache.use("flux", loras={"style": 1.0}) as pipe:  # still serving
+            pipe.set_progress_bar_config(disable=True)
+
+
 @pytest.mark.parametrize("fmt", ["kohya", "peft"])
 def test_sdxl_with_text_encoder_layers_and_alphas_equals_diffusers(store, tmp_path, fmt):
     """kohya (sd-scripts) keys and alpha tensors, and PEFT keys with adapter metadata:

@@ -5,7 +5,11 @@ against the modules they adapt.
 The file is read and validated by nostall (:func:`nostall.api.load_state_dict`: a truncated
 or malformed file is a :class:`~nostall.errors.CheckpointError` naming it); diffusers'
 own converter for the pipeline's class (``<Pipeline>.lora_state_dict``) turns the keys
-into diffusers/PEFT names; the scale of each layer follows PEFT's rules: ``alpha / r``
+into diffusers/PEFT names. A file that is a LoRA of no pipeline of that class (another
+base's LoRA, a format diffusers does not convert, no LoRA at all) is an
+:class:`~nostall.errors.AdapterError` naming the file and its first layer, or, where no key
+looks like a LoRA factor, the first few keys and their count: never every key. The scale
+of each layer follows PEFT's rules: ``alpha / r``
 (``alpha / sqrt(r)`` with rsLoRA), ``alpha`` from the file's adapter metadata
 (``lora_adapter_metadata``: ``lora_alpha``, ``alpha_pattern``), else from its alpha
 tensors (kohya), else ``r`` (scale 1).
@@ -24,7 +28,7 @@ from typing import Any
 import torch
 
 from nostall.api import load_state_dict
-from nostall.errors import AdapterError, CheckpointError, UnsupportedError
+from nostall.errors import AdapterError, CheckpointError, InternalError, UnsupportedError
 
 __all__ = ["Lora", "LoraLayer", "check_fits", "read_lora", "submodule"]
 
@@ -33,6 +37,14 @@ ROLES = ("transformer", "unet", "text_encoder", "text_encoder_2", "text_encoder_
 _KEY = re.compile(
     r"^(?P<role>" + "|".join(ROLES) + r")\.(?P<module>.+)\.lora_(?P<ab>A|B)\.(?P<what>weight|bias)$"
 )
+# A LoRA factor's key in the formats diffusers converts, before conversion: PEFT's
+# ``lora_A.weight``, kohya's ``lora_down.weight``, diffusers' older ``lora.down.weight``,
+# ``to_q_lora.down.weight`` and ``lora_linear_layer.down.weight``, XLabs' ``proj_lora1.down.weight``.
+_FACTOR = re.compile(
+    r"[._]?lora(?:[._]?(?:A|B|down|up)|_linear_layer\.(?:down|up)|\d+\.(?:down|up))"
+    r"\.(?:weight|bias)$"
+)
+_SHOWN = 3  # keys a message shows of a file that is no LoRA
 
 
 @dataclass(frozen=True)
@@ -136,9 +148,12 @@ def read_lora(
 ) -> Lora:
     """The LoRA at ``path`` as layers for ``pipeline_class`` (diffusers' class name, as
     in ``model_index.json``); ``unet_config``: the base's UNet config, which diffusers
-    needs to map kohya's SGM block names (``input_blocks_4_1``) to its own. Raises :class:`~nostall.errors.CheckpointError` for a file
-    that is not a readable LoRA, :class:`~nostall.errors.UnsupportedError` for a kind
-    nostall cannot fuse (DoRA, LoKr)."""
+    needs to map kohya's SGM block names (``input_blocks_4_1``) to its own.
+    Raises :class:`~nostall.errors.CheckpointError` for a file that is not a readable
+    safetensors file or whose layers lack a factor, :class:`~nostall.errors.AdapterError`
+    for one that is no LoRA of ``pipeline_class`` (naming its first layer, never listing
+    every key), :class:`~nostall.errors.UnsupportedError` for a kind nostall cannot fuse
+    (DoRA)."""
     path = os.fspath(path)
     cls = _pipeline_class(pipeline_class)
     tensors = load_state_dict(path, device="cpu")  # validated: typed errors
@@ -147,18 +162,57 @@ def read_lora(
         k.endswith("use_dora") and v for k, v in meta.items()
     ):
         raise UnsupportedError(f"{path}: a DoRA adapter; nostall fuses plain LoRA only")
+    factors = sorted(k for k in tensors if _FACTOR.search(k))
+    if not factors:
+        raise AdapterError(
+            f"{path}: no key of it is a LoRA factor in a format nostall reads (diffusers/PEFT "
+            "'<layer>.lora_A.weight', kohya '<layer>.lora_down.weight', the community FLUX "
+            f"formats diffusers converts): it holds {_keys(tensors)}. Is it a LoRA? (LoKr and "
+            "LoHa adapters are not supported)",
+            path=path,
+        )
     try:
         out = cls.lora_state_dict(dict(tensors), **_kwargs(cls, unet_config))
     except (ValueError, KeyError, IndexError, RuntimeError, AttributeError) as e:
-        raise CheckpointError(
-            f"diffusers' {cls.__name__} converter cannot read it as a LoRA ({type(e).__name__}: "
-            f"{e})",
-            path=path,
-        ) from e
+        # diffusers' message lists every key it could not convert (12 kB for a tiny SDXL
+        # LoRA, megabytes for a real one): its start says why, the first layer says where.
+        why = _clip(f"{type(e).__name__}: {' '.join(str(e).split())}", 120)
+        raise _another_base(path, cls.__name__, factors, f"refuses it ({why})") from e
     sd, alphas = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
     sd = _to_peft(sd)
-    layers = _layers(path, sd, alphas or {}, meta)
+    if not any(_KEY.match(k) for k in sd):
+        raise _another_base(path, cls.__name__, factors, "dropped every key of it")
+    layers = _layers(path, cls.__name__, sd, alphas or {}, meta)
     return Lora(name or os.path.basename(path), path, pipeline_class, tuple(layers))
+
+
+def _another_base(path: str, pipeline_class: str, factors: list[str], what: str) -> AdapterError:
+    first = _layer_of(factors[0])
+    return AdapterError(
+        f"{path}: diffusers' {pipeline_class} converter {what}: no layer of a {pipeline_class}; "
+        f"its first layer is {first!r}, of {len(factors):,} factor tensors: a LoRA for another "
+        "base model?",
+        path=path,
+        layer=first,
+    )
+
+
+def _layer_of(key: str) -> str:
+    """The layer a factor's key belongs to: the key without its factor suffix."""
+    m = _FACTOR.search(key)
+    return _clip(key[: m.start()] if m else key.removesuffix(".alpha"), 160)
+
+
+def _clip(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _keys(tensors) -> str:
+    """``N tensors, the first 3: 'a', 'b', 'c', …``: a file's keys, bounded."""
+    names = sorted(tensors)
+    shown = ", ".join(repr(_clip(k, 100)) for k in names[:_SHOWN])
+    more = ", …" if len(names) > _SHOWN else ""
+    return f"{len(names):,} tensors, the first {min(len(names), _SHOWN)}: {shown}{more}"
 
 
 def _kwargs(cls: Any, unet_config: dict[str, Any] | None) -> dict[str, Any]:
@@ -197,24 +251,30 @@ def _to_peft(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _layers(
-    path: str, sd: dict[str, torch.Tensor], alphas: dict[str, Any], meta: dict[str, Any]
+    path: str,
+    pipeline_class: str,
+    sd: dict[str, torch.Tensor],
+    alphas: dict[str, Any],
+    meta: dict[str, Any],
 ) -> list[LoraLayer]:
+    strays = sorted(k for k in sd if _KEY.match(k) is None and not k.endswith(".alpha"))
+    if strays:
+        first = _layer_of(strays[0])
+        raise AdapterError(
+            f"{path}: its first layer that no component of a {pipeline_class} has is "
+            f"{first!r} ({len(strays):,} of its {len(sd):,} converted tensors fit none): a "
+            "LoRA for another base model, or a format diffusers does not convert",
+            path=path,
+            layer=first,
+        )
     parts: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     for key, t in sd.items():
         m = _KEY.match(key)
-        if m is None:
-            if key.endswith(".alpha"):
-                continue
-            raise CheckpointError(
-                "a key no LoRA layer of a diffusers pipeline has (a LoRA for another "
-                "architecture, or a format diffusers does not convert)",
-                path=path,
-                tensor=key,
-            )
-        slot = f"{m['ab']}.{m['what']}"
-        parts.setdefault((m["role"], m["module"]), {})[slot] = t
+        if m is not None:  # (else an alpha: read from ``alphas``)
+            slot = f"{m['ab']}.{m['what']}"
+            parts.setdefault((m["role"], m["module"]), {})[slot] = t
     if not parts:
-        raise CheckpointError("no LoRA layers in it", path=path)
+        raise InternalError(f"{path}: no LoRA layer left after read_lora found one")
     # alphas from alpha tensors (kohya): per module, the most common one by default
     by_module: dict[tuple[str, str], float] = {}
     for key, v in alphas.items():
@@ -268,19 +328,23 @@ def check_fits(lora: Lora, components: dict[str, torch.nn.Module]) -> None:
     """Raise :class:`~nostall.errors.AdapterError` naming the LoRA and its first layer
     that the pipeline's ``components`` (role → module) lack or that does not fit (a LoRA
     for another base: other shapes)."""
+    who = repr(lora.name) if lora.name == lora.path else f"{lora.name!r} ({lora.path})"
+    # A component the pipeline lacks says more than a layer missing from one it has (an
+    # SDXL LoRA on FLUX: the UNet, not the first CLIP layer that FLUX's T5 lacks).
     for x in lora.layers:
-        comp = components.get(x.role)
-        if comp is None:
+        if x.role not in components:
             raise AdapterError(
-                f"LoRA {lora.name!r} adapts {x.role}, which this pipeline does not have "
-                f"(it has {', '.join(sorted(components))}); a LoRA for another architecture?",
+                f"LoRA {who} adapts {x.role}, which this pipeline does not have (it has "
+                f"{', '.join(sorted(components))}); its first layer there is "
+                f"{x.role}.{x.module}: a LoRA for another architecture?",
                 path=lora.path,
                 layer=f"{x.role}.{x.module}",
             )
-        weight = getattr(submodule(comp, x.module), "weight", None)
+    for x in lora.layers:
+        weight = getattr(submodule(components[x.role], x.module), "weight", None)
         if not isinstance(weight, torch.Tensor):
             raise AdapterError(
-                f"LoRA {lora.name!r}: its first layer the base lacks is "
+                f"LoRA {who}: its first layer the base lacks is "
                 f"{x.role}.{x.module}; a LoRA for another architecture?",
                 path=lora.path,
                 layer=f"{x.role}.{x.module}",
@@ -292,7 +356,7 @@ def check_fits(lora: Lora, components: dict[str, torch.nn.Module]) -> None:
             have = (int(x.up.shape[0]), *(int(s) for s in x.down.shape[1:]))
         if have != want:
             raise AdapterError(
-                f"LoRA {lora.name!r} does not fit this base: its first mismatching layer is "
+                f"LoRA {who} does not fit this base: its first mismatching layer is "
                 f"{x.role}.{x.module}, {have} against the base's {want} (a LoRA for "
                 "another model or size?)",
                 path=lora.path,
