@@ -104,6 +104,44 @@ def test_decode_checks_every_input_before_decoding(tmp_path, wan_folder):
     assert list(out.iterdir()) == []  # not even the good one was started
 
 
+def test_decode_refuses_a_batch_before_the_vae_is_loaded_in_one_line(tmp_path, wan_folder):
+    """Latents files hold one video each: a batch of 2 is refused before the VAE is read
+    (this VAE's weights are missing: loading it would fail first) and before the bar,
+    one line naming the file, the shape and the fix, exit 2."""
+    import shutil
+
+    import torch
+
+    vae = tmp_path / "vae"
+    vae.mkdir()
+    shutil.copy(wan_folder / "config.json", vae / "config.json")
+    batch = tmp_path / "batch.pt"
+    torch.save(torch.randn(2, 16, 4, 6, 8), batch)
+    out = tmp_path / "out"
+    out.mkdir()
+    options = ["--vae", str(vae), "-o", str(out), "--device", "cpu", "--no-denormalize"]
+    proc = run_cli("decode", str(batch), *options)  # as a user runs it: the one line
+    said = plain(proc.stdout)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "decoding" not in said
+    assert "batch.pt: latents hold a batch of 2 videos (shape (2, 16, 4, 6, 8))" in said
+    assert "split the batch" in said and "to_uint8_frames" not in said
+    assert proc.stdout.count("error:") == 1 and list(out.iterdir()) == []
+    # a good file first does not start the decode either; nor do channels the VAE's
+    # config does not take (in this process: the error the console script prints)
+    from nostall.errors import LatentsError
+
+    wide = _latents(tmp_path / "wide.pt", channels=48)
+    for args, says in (
+        ([_latents(tmp_path / "a.pt"), str(batch)], "batch.pt: latents hold a batch of 2"),
+        ([wide], "wide.pt: latents have 48 channels"),
+    ):
+        result = runner.invoke(app, ["decode", *args, *options])
+        assert isinstance(result.exception, LatentsError), result.output
+        assert says in plain(str(result.exception)) and "decoding" not in result.output
+        assert list(out.iterdir()) == []
+
+
 def test_decode_several_files_needs_an_output_folder(tmp_path, wan_folder):
     zs = [_latents(tmp_path / f"c{i}.pt") for i in range(2)]
     result = runner.invoke(

@@ -89,6 +89,7 @@ def test_png_folder_and_y4m(tmp_path, vae, latents, reference):
         (torch.zeros(1, 16, 0, 6, 8), "T"),
         (torch.zeros(1, 16, 4, 6, 8, dtype=torch.float16), r"z\.to\(device='cpu'"),
         (torch.full((1, 16, 4, 6, 8), float("nan")), "3072 non-finite"),
+        (torch.zeros(2, 16, 4, 6, 8), "a batch of 2 videos"),  # a file holds one
     ],
 )
 def test_bad_latents_are_refused_before_anything_is_written(tmp_path, vae, bad, match):

@@ -102,6 +102,7 @@ def test_latents_are_moved_to_the_vae_dtype(tmp_path, vae):
     [
         (torch.zeros(1, 12, 4, 6, 8), r"b\.pt: latents have 12 channels"),
         (torch.full((1, 16, 4, 6, 8), float("inf")), r"b\.pt: latents hold 3072 non-finite"),
+        (torch.zeros(2, 16, 4, 6, 8), r"b\.pt: latents hold a batch of 2 videos.*split the batch"),
     ],
 )
 def test_every_input_is_checked_before_any_decode(tmp_path, vae, monkeypatch, bad, match):
@@ -116,6 +117,36 @@ def test_every_input_is_checked_before_any_decode(tmp_path, vae, monkeypatch, ba
     with pytest.raises(LatentsError, match=match):
         decode_files(paths, vae, output_paths(paths, out), denormalize=False)
     assert os.listdir(out) == []
+
+
+def test_latents_files_are_checked_before_a_vae_is_loaded(tmp_path, vae):
+    """What nostall decode runs first: the files against the channels the VAE's
+    config.json names, the VAE not loaded yet."""
+    from nostall.errors import UnsupportedError
+    from nostall.video.files import read_latents_files, vae_latent_channels
+
+    folder = tmp_path / "vae"
+    vae.save_pretrained(folder)
+    (folder / "diffusion_pytorch_model.safetensors").unlink()  # never read here
+    assert vae_latent_channels(folder) == 16
+    assert vae_latent_channels(folder / "diffusion_pytorch_model.safetensors") == 16
+    assert vae_latent_channels(tmp_path / "nowhere") is None  # loading it will say why
+    good = save(tmp_path / "a.pt", normalised(0))
+    (z,) = read_latents_files([good], z_dim=16)
+    assert torch.equal(z, normalised(0))
+    cases = [
+        (torch.zeros(2, 16, 4, 6, 8), r"b\.pt: latents hold a batch of 2 videos \(shape \(2, 16"),
+        (torch.zeros(1, 48, 4, 6, 8), r"b\.pt: latents have 48 channels.*z_dim=16"),
+        (torch.zeros(1, 16, 4, 6, 8, dtype=torch.int32), r"b\.pt: .*floating point"),
+        (torch.zeros(16, 4, 6, 8), r"b\.pt: latents must be 5-D"),
+    ]
+    for bad, match in cases:
+        with pytest.raises(LatentsError, match=match):
+            read_latents_files([good, save(tmp_path / "b.pt", bad)], z_dim=16)
+    read_latents_files([save(tmp_path / "c.pt", torch.zeros(1, 48, 2, 2, 2))], z_dim=None)
+    (folder / "config.json").write_text('{"_class_name": "AutoencoderKL", "latent_channels": 4}')
+    with pytest.raises(UnsupportedError, match="AutoencoderKLWan"):
+        vae_latent_channels(folder)
 
 
 def test_outputs_are_checked_before_the_latents_are_read(tmp_path, vae):

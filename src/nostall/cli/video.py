@@ -79,12 +79,15 @@ def decode(
 
     Several latents files are decoded back to back through one pipeline: each file is
     finished (the MP4 encoder flushed) on the writer thread while the next decodes.
+    Every latents file is read and checked (one video, the VAE's channels, dtype, values)
+    before the VAE is loaded, and the bar starts once everything is checked.
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from nostall.api import load_model
     from nostall.transfer.loader import resolve_device
     from nostall.video import check_sink_path, decode_files, output_paths
+    from nostall.video.files import read_latents_files, vae_latent_channels
     from nostall.video.wan import MODES, check_devices
 
     if denormalize is None:
@@ -118,17 +121,30 @@ def decode(
                 "another output",
                 param_hint="-o/--out",
             )
+    # The latents too (a LatentsError naming the file: one line, exit 2, from main()), so a
+    # bad file costs no VAE load; a remote VAE's channels are checked once it is loaded.
+    remote = vae.startswith("s3://")
+    read_latents_files(latents, z_dim=None if remote else vae_latent_channels(vae))
     model = load_model(vae, device=device, dtype=dt)
 
     t0 = time.perf_counter()
-    with Progress(
+    bar = Progress(
         TextColumn("decoding"),
         BarColumn(),
         TextColumn("{task.completed}/{task.total} frames"),
         TimeRemainingColumn(),
         console=console,
-    ) as bar:
-        task = bar.add_task("decode", total=None)
+    )
+    task = bar.add_task("decode", total=None)
+
+    def progress(done: int, total: int) -> None:
+        # decode_files calls this first once every input is checked against the VAE:
+        # a refusal before then prints no bar.
+        if not bar.live.is_started:
+            bar.start()
+        bar.update(task, completed=done, total=total)
+
+    try:
         results = decode_files(
             latents,
             model,
@@ -138,10 +154,13 @@ def decode(
             fps=fps,
             preset=preset,
             crf=crf,
-            progress=lambda done, total: bar.update(task, completed=done, total=total),
+            progress=progress,
             mode=mode,
             devices=split,
         )
+    finally:
+        if bar.live.is_started:
+            bar.stop()
     wall = time.perf_counter() - t0
     for result in results:
         s = result.stats

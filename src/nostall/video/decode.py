@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nostall.errors import ArgumentError, SinkError
+from nostall.errors import ArgumentError, LatentsError, SinkError
 from nostall.memory.pool import PinnedPool
 from nostall.video.pipeline import (
     AsyncFramePipeline,
@@ -26,7 +26,7 @@ from nostall.video.wan import frame_count, open_chunks
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan
 
-__all__ = ["DecodeResult", "decode_to_file", "submit_decode"]
+__all__ = ["DecodeResult", "check_one_video", "decode_to_file", "submit_decode"]
 
 
 @dataclass(frozen=True)
@@ -211,11 +211,25 @@ def _open(
         # Checks the VAE and latents now and decodes lazily. The NaN check waits for the
         # GPU; the sink is opened before it so that, back to back, little host work sits
         # between the previous video's last kernel and this one's first.
+        check_one_video(latents)
         chunks, degraded = open_chunks(vae, latents, mode=mode, devices=devices, strict=strict)
         return sink, chunks, degraded
     except BaseException:
         sink.abort()
         raise
+
+
+def check_one_video(latents: torch.Tensor) -> None:
+    """Raise :class:`~nostall.LatentsError` unless ``latents`` are one video
+    (``(1, C, T, h, w)``): a file holds one, and the frames of a batch would interleave."""
+    shape = tuple(getattr(latents, "shape", ()))
+    if len(shape) == 5 and shape[0] != 1:
+        raise LatentsError(
+            f"latents hold a batch of {shape[0]} videos (shape {shape}), and a video file "
+            "holds one, (1, C, T, h, w): split the batch, one video per file (z.split(1); "
+            "for nostall decode, one latents file per video: for i, one in "
+            "enumerate(z.split(1)): torch.save(one, f'clip{i}.pt'))"
+        )
 
 
 def _frame_count_error(

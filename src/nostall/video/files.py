@@ -4,6 +4,8 @@ What ``nostall decode`` does, as a library call: read each latents file, check a
 them (and every output path) before the first decode, move each to the VAE's device
 and dtype, optionally de-normalise it, and decode the files back to back through one
 pipeline, each finished on the writer thread while the next one decodes.
+:func:`read_latents_files` checks the files before a VAE is even loaded, against the
+channels its ``config.json`` names (:func:`vae_latent_channels`).
 
 Example::
 
@@ -14,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -22,8 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nostall.errors import ArgumentError, LatentsError
-from nostall.video.decode import DecodeResult, decode_to_file, submit_decode
+from nostall.errors import ArgumentError, LatentsError, UnsupportedError
+from nostall.video.decode import DecodeResult, check_one_video, decode_to_file, submit_decode
 from nostall.video.latents import load_latents
 from nostall.video.pipeline import AsyncFramePipeline, SyncFramePipeline
 from nostall.video.sinks import check_sink_path
@@ -31,6 +34,7 @@ from nostall.video.wan import (
     MODES,
     check_devices,
     check_latents,
+    check_latents_data,
     frame_count,
     latents_stats,
     vae_placement,
@@ -42,7 +46,7 @@ from nostall.video.wan import (
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan
 
-__all__ = ["decode_files", "output_paths"]
+__all__ = ["decode_files", "output_paths", "read_latents_files", "vae_latent_channels"]
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +117,7 @@ def decode_files(
     (see :func:`nostall.video.latents.load_latents`); ``outputs`` has one path per file
     (:func:`output_paths` makes them). Before anything is decoded, every output is
     checked (:func:`~nostall.video.sinks.check_sink_path`), then every latents file is
-    read and checked against ``vae`` (channels, shape, NaN/inf), so a bad third file
+    read and checked against ``vae`` (one video, channels, shape, NaN/inf), so a bad third file
     costs no decode of the first two.
 
     ``denormalize`` has no default on purpose: latents saved by a pipeline with
@@ -248,11 +252,73 @@ def _check_distinct(targets: list[str], sources: list[str]) -> None:
         seen[key] = source
 
 
+def read_latents_files(
+    latents: Sequence[str | os.PathLike], *, z_dim: int | None
+) -> list[torch.Tensor]:
+    """Read each latents file and check that it holds one video a VAE of ``z_dim``
+    latent channels decodes: ``(1, z_dim, T, h, w)``, floating point, finite (``z_dim``
+    ``None``: any channel count). Raises :class:`~nostall.LatentsError` naming the first
+    file that does not, its shape and the fix; the tensors stay on the host.
+
+    What ``nostall decode`` runs before it loads the VAE (``z_dim`` from
+    :func:`vae_latent_channels`), so that a bad file costs no VAE load::
+
+        >>> import tempfile
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> path = os.path.join(tmp.name, "batch.pt")
+        >>> torch.save(torch.zeros(2, 16, 3, 4, 4), path)
+        >>> read_latents_files([path], z_dim=16)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        nostall.errors.LatentsError: .../batch.pt: latents hold a batch of 2 videos ...
+        >>> tmp.cleanup()
+    """
+    out = []
+    for path in map(os.fspath, latents):
+        z = load_latents(path)
+        try:
+            check_latents_data(z, z_dim=z_dim)
+            check_one_video(z)
+        except LatentsError as e:
+            raise LatentsError(f"{path}: {e}") from e
+        out.append(z)
+    return out
+
+
+def vae_latent_channels(vae: str | os.PathLike) -> int | None:
+    """The latent channels (``z_dim``) of the Wan VAE in folder ``vae`` (or beside the
+    weights file ``vae``), read from its ``config.json`` without loading it; ``None``
+    where there is no readable config (loading the VAE then says what is wrong).
+    Raises :class:`~nostall.UnsupportedError` for a config of another VAE class.
+
+    >>> vae_latent_channels("wan/vae")  # doctest: +SKIP
+    16
+    """
+    vae = os.fspath(vae)
+    folder = vae if os.path.isdir(vae) else os.path.dirname(os.path.abspath(vae))
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path, "rb") as f:
+            config = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    cls = config.get("_class_name")
+    if cls is not None and cls != "AutoencoderKLWan":
+        raise UnsupportedError(
+            f"{path}: names the VAE class {cls}; nostall decodes diffusers' AutoencoderKLWan "
+            "(the Wan 2.1 / 2.2 VAE): give the Wan pipeline's vae folder"
+        )
+    z_dim = config.get("z_dim", 16)  # (AutoencoderKLWan's default)
+    return z_dim if isinstance(z_dim, int) and not isinstance(z_dim, bool) else None
+
+
 def _load_checked(vae: AutoencoderKLWan, path: str) -> torch.Tensor:
     z = load_latents(path)
     try:
         # Host-side: dtype and device are fixed by z.to(...) just before the decode.
         check_latents(vae, z, placement=False)
+        check_one_video(z)
     except LatentsError as e:
         raise LatentsError(f"{path}: {e}") from e
     return z

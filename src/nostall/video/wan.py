@@ -41,7 +41,14 @@ from nostall.video.kernels import triton_available
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan
 
-__all__ = ["check_latents", "decode_chunks", "denormalize", "frame_count", "vae_placement"]
+__all__ = [
+    "check_latents",
+    "check_latents_data",
+    "decode_chunks",
+    "denormalize",
+    "frame_count",
+    "vae_placement",
+]
 
 log = logging.getLogger(__name__)
 
@@ -96,15 +103,26 @@ def check_latents(vae: AutoencoderKLWan, z: torch.Tensor, *, placement: bool = T
         nostall.errors.LatentsError: latents must be 5-D (B, C, T, h, w) = (B, 16, T, h, w); ...
     """
     wan = _as_wan(vae)  # before vae.config is read: other objects may have no z_dim
-    _check_shape(wan, z)
+    _check_shape(z, int(wan.config.z_dim))
     if placement:
         _check_placement(wan, z)
     _check_finite(z)
 
 
-def _check_shape(vae: AutoencoderKLWan, z: Any) -> None:
-    z_dim = int(vae.config.z_dim)
-    expected = f"(B, {z_dim}, T, h, w)"
+def check_latents_data(z: torch.Tensor, *, z_dim: int | None) -> None:
+    """What :func:`check_latents` checks of the tensor itself, without a VAE: 5-D
+    ``(B, z_dim, T, h, w)``, floating point, no empty dimension, no NaN or inf; for
+    latents read before the VAE is loaded (``z_dim`` from its ``config.json``; ``None``:
+    any channel count). Raises :class:`LatentsError`.
+
+    >>> check_latents_data(torch.zeros(1, 16, 21, 60, 104), z_dim=16)   # fine: returns None
+    """
+    _check_shape(z, z_dim)
+    _check_finite(z)
+
+
+def _check_shape(z: Any, z_dim: int | None) -> None:
+    expected = f"(B, {'C' if z_dim is None else z_dim}, T, h, w)"
     if not isinstance(z, torch.Tensor):
         raise LatentsError(
             f"latents must be a torch.Tensor of shape {expected}, got {type(z).__name__}"
@@ -116,7 +134,7 @@ def _check_shape(vae: AutoencoderKLWan, z: Any) -> None:
             f"latents must be 5-D (B, C, T, h, w) = {expected}; got shape {shape} "
             f"({z.dim()}-D){hint}"
         )
-    if shape[1] != z_dim:
+    if z_dim is not None and shape[1] != z_dim:
         raise LatentsError(
             f"latents have {shape[1]} channels but this VAE expects vae.config.z_dim={z_dim}: "
             f"got shape {shape}, expected {expected}. Wan 2.1 VAEs take 16 channels, the Wan 2.2 "
@@ -232,8 +250,8 @@ def denormalize(vae: AutoencoderKLWan, latents: torch.Tensor) -> torch.Tensor:
         torch.Size([1, 3, 9, 32, 32])
     """
     vae = _as_wan(vae)
-    _check_shape(vae, latents)
     c = int(vae.config.z_dim)
+    _check_shape(latents, c)
     mean, std = latents_stats(vae)
     mean_t = torch.tensor(mean).view(1, c, 1, 1, 1).to(latents.device, latents.dtype)
     inv_std = 1.0 / torch.tensor(std).view(1, c, 1, 1, 1).to(latents.device, latents.dtype)
