@@ -170,5 +170,5 @@ def test_sigterm_mid_write_removes_the_partial_output_and_exits_143(tmp_path, ki
             proc.kill()
             proc.communicate()
     assert proc.returncode == 128 + signal.SIGTERM, stdout + stderr
-    assert "terminated" in stdout and "Traceback" not in stdout + stderr
+    assert "stopped by SIGTERM" in stdout and "Traceback" not in stdout + stderr
     assert _left(tmp_path, src.name, script.name, ready.name) == []

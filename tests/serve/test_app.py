@@ -55,10 +55,10 @@ def gated(monkeypatch):
     their seeds, and each waits for ``gate`` (at most 60 s) before it runs for real."""
     import types
 
-    from nostall.serve import worker as worker_mod
+    from nostall.serve import runner as runner_mod
 
     g = types.SimpleNamespace(started=threading.Event(), gate=threading.Event(), ran=[])
-    real = worker_mod.Worker._image
+    real = runner_mod.Runner._image
 
     def slow(self, job, start):
         g.ran.append(job.seed)
@@ -66,7 +66,7 @@ def gated(monkeypatch):
         g.gate.wait(60)
         return real(self, job, start)
 
-    monkeypatch.setattr(worker_mod.Worker, "_image", slow)
+    monkeypatch.setattr(runner_mod.Runner, "_image", slow)
     return g
 
 
@@ -160,16 +160,16 @@ def test_a_422_names_the_field_and_the_allowed_values(shared_server, body, field
 def test_a_pipeline_value_error_at_run_time_is_422_logged_without_traceback(
     serve, monkeypatch, caplog
 ):
-    from nostall.serve import worker as worker_mod
+    from nostall.serve import runner as runner_mod
 
-    real = worker_mod.image_kwargs
+    real = runner_mod.image_kwargs
 
     def refuse(pipe, job, device):
         if job.seed == 13:
             raise ValueError("`height` and `width` have to be divisible by 8 but are 30 and 30.")
         return real(pipe, job, device)
 
-    monkeypatch.setattr(worker_mod, "image_kwargs", refuse)
+    monkeypatch.setattr(runner_mod, "image_kwargs", refuse)
     caplog.set_level(logging.INFO)
     server, _ = serve(prepare=False)
     with httpx.Client(base_url=server.url, timeout=120) as c:
@@ -494,10 +494,10 @@ def test_a_client_that_leaves_while_queued_is_skipped(serve, gated, monkeypatch,
 
 
 def test_the_next_queued_model_is_prefetched_while_the_current_one_runs(serve, monkeypatch):
-    from nostall.serve import worker as worker_mod
+    from nostall.serve import runner as runner_mod
 
     started, gate = threading.Event(), threading.Event()
-    real = worker_mod.Worker._image
+    real = runner_mod.Runner._image
 
     def slow(self, job, start):
         if job.model == "flux":
@@ -505,7 +505,7 @@ def test_the_next_queued_model_is_prefetched_while_the_current_one_runs(serve, m
             gate.wait(60)
         return real(self, job, start)
 
-    monkeypatch.setattr(worker_mod.Worker, "_image", slow)
+    monkeypatch.setattr(runner_mod.Runner, "_image", slow)
     server, worker = serve(prepare=False, gpu_budget=8 << 20)
     results = {}
 

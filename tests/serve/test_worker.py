@@ -59,11 +59,11 @@ def worker(store):
 def gate(monkeypatch):
     """The first job of a test blocks in ``_image`` until ``gate.set()``; every model a
     single job ran for is appended to ``gate.ran``, every batch's size to ``gate.calls``."""
-    from nostall.serve import worker as worker_mod
+    from nostall.serve import runner as runner_mod
 
     event = threading.Event()
     event.ran, event.calls, event.started = [], [], threading.Event()
-    image, generate = worker_mod.Worker._image, worker_mod.Worker._generate
+    image, generate = runner_mod.Runner._image, runner_mod.Runner._generate
 
     def gated(self, job, start):
         event.ran.append(job.model)
@@ -76,8 +76,8 @@ def gate(monkeypatch):
         event.calls.append(len(job) if isinstance(job, list) else 1)
         return generate(self, pipe, job, embeds)
 
-    monkeypatch.setattr(worker_mod.Worker, "_image", gated)
-    monkeypatch.setattr(worker_mod.Worker, "_generate", counted)
+    monkeypatch.setattr(runner_mod.Runner, "_image", gated)
+    monkeypatch.setattr(runner_mod.Runner, "_generate", counted)
     return event
 
 
@@ -174,7 +174,7 @@ def test_a_client_that_leaves_before_its_batch_starts_is_left_out(worker, gate):
 def test_a_failed_batch_runs_its_jobs_alone_and_after_oom_that_shape_stays_alone(
     worker, gate, monkeypatch
 ):
-    from nostall.serve import worker as worker_mod
+    from nostall.serve import runner as runner_mod
 
     failures = []
 
@@ -182,7 +182,7 @@ def test_a_failed_batch_runs_its_jobs_alone_and_after_oom_that_shape_stays_alone
         failures.append(len(jobs))
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
-    monkeypatch.setattr(worker_mod.Worker, "_images", broken)
+    monkeypatch.setattr(runner_mod.Runner, "images", broken)
     w = worker(schedule=Policy(batch=4))
     first, _ = _submit(w, seed=1)
     assert gate.started.wait(60)

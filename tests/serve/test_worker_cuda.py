@@ -105,3 +105,39 @@ def test_a_stopped_worker_and_embedding_service_give_their_device_memory_back(st
     # an H200; torch keeps them for the process): not the 1 GiB tier, nor the encoders.
     # (Measured on the H200: 33 MiB stayed.)
     assert settled() - before < 96 << 20
+
+
+def test_a_drain_stops_a_running_job_at_a_step_on_the_gpu_and_gives_the_memory_back(store):
+    """SIGTERM's path on the GPU: the hook that ends a job at its next denoiser call
+    raises mid-pipeline with CUDA work queued; the worker then closes cleanly and its
+    device tier is freed."""
+    import gc
+    import threading
+    import time
+
+    from nostall.errors import ShuttingDown
+    from nostall.serve.worker import Worker
+
+    def settled() -> int:
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_allocated()
+
+    before = settled()
+    worker = Worker(store, device="cuda", gpu_budget=1 << 30).start()
+    # 150 steps at 1024x1024: seconds even of the tiny FLUX on an H200
+    body = {"model": "flux", "prompt": "a cat", "size": "1024x1024", "steps": 150, "seed": 1}
+    body["max_sequence_length"] = 16
+    future, _ = worker.submit(worker.image_job(body))
+    deadline = time.monotonic() + 120
+    while worker.status()["running"] is None:  # the long job is on the GPU
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    done = threading.Event()
+    worker.drain(0.3, on_done=done.set)  # the job is cut after 0.225 s
+    with pytest.raises(ShuttingDown, match="stopped after"):
+        future.result(timeout=60)
+    assert done.wait(10) and not worker.ready
+    worker.shutdown()
+    assert settled() - before < 96 << 20  # the 1 GiB device tier is given back

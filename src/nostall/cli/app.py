@@ -2,7 +2,8 @@
 
 Each command group lives in its own module (:mod:`nostall.cli.load`, :mod:`~nostall.cli.switch`,
 :mod:`~nostall.cli.video`, :mod:`~nostall.cli.quant`, :mod:`~nostall.cli.serve`,
-:mod:`~nostall.cli.bench`, :mod:`~nostall.cli.demo`, :mod:`~nostall.cli.synthetic`) and
+:mod:`~nostall.cli.bench`, :mod:`~nostall.cli.demo`, :mod:`~nostall.cli.synthetic`,
+:mod:`~nostall.cli.shm`) and
 registers its commands on :data:`app` or :data:`bench_app`; importing :mod:`nostall.cli`
 imports them all. This module imports none of them, and nothing heavy (torch loads on the
 first command that needs it), so ``nostall --help`` stays fast.
@@ -26,6 +27,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from nostall.errors import ArgumentError, DeviceError, NostallError, SinkError
 
@@ -260,7 +262,8 @@ def main() -> None:
     try:
         app()
     except NostallError as e:
-        console.print(f"[red]error:[/red] {type(e).__name__}: {e}", highlight=False)
+        # (escaped: a message's own brackets, z[i:i+1], are not markup)
+        console.print(f"[red]error:[/red] {type(e).__name__}: {escape(str(e))}", highlight=False)
         sys.exit(2)
     except _Terminated:
         console.print("stopped by SIGTERM", highlight=False)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import statistics
 
 import typer
@@ -44,34 +43,25 @@ def quantize(
 
     from nostall.quant import quantize as run
 
-    try:
-        with Progress(
-            TextColumn("quantizing"),
-            BarColumn(),
-            DownloadColumn(),
-            TimeRemainingColumn(),
-            console=console,
-        ) as bar:
-            task = bar.add_task("quantize", total=None)
-            with usage_errors():
-                report = run(
-                    src,
-                    dst,
-                    skip=tuple(skip or ()),
-                    default_skip=default_skip,
-                    overwrite=overwrite,
-                    progress=lambda done, total: bar.update(task, completed=done, total=total),
-                )
-    except SystemExit as e:
-        # run() turns SIGTERM into SystemExit(128 + SIGTERM) once it has removed the
-        # partial output (see nostall.quantize).
-        if e.code == 128 + signal.SIGTERM:
-            console.print(
-                f"[red]terminated[/red] (SIGTERM): {dst} was not written; the partial "
-                "output was removed",
-                highlight=False,
+    # (SIGTERM: nostall.cli.main unwinds the command as Ctrl-C does; the partial output
+    # is removed on the way and the process exits 143)
+    with Progress(
+        TextColumn("quantizing"),
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    ) as bar:
+        task = bar.add_task("quantize", total=None)
+        with usage_errors():
+            report = run(
+                src,
+                dst,
+                skip=tuple(skip or ()),
+                default_skip=default_skip,
+                overwrite=overwrite,
+                progress=lambda done, total: bar.update(task, completed=done, total=total),
             )
-        raise
     kept = ", ".join(f"{n} {why}" for why, n in report.kept_reasons.most_common())
     console.print(
         f"{report.quantized} tensors → FP8, {report.kept} kept ({kept}); "

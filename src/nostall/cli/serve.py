@@ -30,13 +30,24 @@ def _port(default: int, help: str = "Port.") -> int:
     return typer.Option(default, callback=in_range(1, 65535), help=help)
 
 
-def _grace() -> float:
+def _grace(help: str) -> float:
+    return typer.Option(30.0, callback=in_range(1.0, 3600.0), help=help)
+
+
+def _token() -> str | None:
     return typer.Option(
-        30.0,
-        callback=in_range(1.0, 3600.0),
-        help="On SIGTERM/SIGINT: not ready and no new work at once; queued and running "
-        "requests go on for most of this, then get 503 (the running one at its next step); "
-        "the process has exited by then (an orchestrator's grace period: 30 s by default).",
+        None,
+        "--api-token",
+        envvar="NOSTALL_API_TOKEN",
+        show_envvar=True,
+        help="Requests must carry 'Authorization: Bearer <token>' (the probes excepted); an "
+        "empty one is refused.",
+    )
+
+
+def _time_limit() -> float:
+    return typer.Option(
+        600.0, callback=in_range(0.001), help="Seconds a request may wait for its answer (504)."
     )
 
 
@@ -108,16 +119,8 @@ def serve(
         callback=_http_url,
         help="An embedding service (nostall embed-server) for FLUX, SDXL and SD3 prompts.",
     ),
-    api_token: str = typer.Option(
-        None,
-        "--api-token",
-        envvar="NOSTALL_API_TOKEN",
-        show_envvar=True,
-        help="Requests must carry 'Authorization: Bearer <token>' (the probes excepted).",
-    ),
-    time_limit_s: float = typer.Option(
-        600.0, callback=in_range(0.001), help="Seconds a request may wait for its answer (504)."
-    ),
+    api_token: str = _token(),
+    time_limit_s: float = _time_limit(),
     max_connections: int = typer.Option(
         256, callback=in_range(1), help="Open connections and requests at once; more get 503."
     ),
@@ -139,7 +142,11 @@ def serve(
         callback=in_range(0.0),
         help="...nor pushed back by more than this many (estimated) seconds.",
     ),
-    grace_s: float = _grace(),
+    grace_s: float = _grace(
+        "On SIGTERM/SIGINT: not ready and no new work at once; queued and running requests "
+        "go on for most of this, then get 503 (the running one at its next step); the process "
+        "has exited by then (an orchestrator's grace period: 30 s by default)."
+    ),
 ) -> None:
     """Serve image generation and video decoding over HTTP (OpenAI's images API shape),
     switching pipelines through the model cache. Status page at /, metrics at /metrics."""
@@ -228,20 +235,10 @@ def fleet(
         help="Also run the embedding service (at /embed, beside a worker on its GPU); the "
         "workers encode FLUX, SDXL and SD3 prompts there and leave their text encoders out.",
     ),
-    api_token: str = typer.Option(
-        None,
-        "--api-token",
-        envvar="NOSTALL_API_TOKEN",
-        show_envvar=True,
-        help="Requests must carry 'Authorization: Bearer <token>' (the probes excepted).",
-    ),
-    time_limit_s: float = typer.Option(
-        600.0, callback=in_range(0.001), help="Seconds a request may wait for its answer (504)."
-    ),
-    grace_s: float = typer.Option(
-        30.0,
-        callback=in_range(1.0, 3600.0),
-        help="On SIGTERM/SIGINT: seconds the workers may take to stop before Ray is stopped.",
+    api_token: str = _token(),
+    time_limit_s: float = _time_limit(),
+    grace_s: float = _grace(
+        "On SIGTERM/SIGINT: seconds the workers may take to stop before Ray is stopped."
     ),
 ) -> None:
     """Run workers on Ray Serve, one per GPU, behind a router that sends each request to
@@ -366,17 +363,9 @@ def embed_server(
     max_text_chars: int = typer.Option(
         8192, callback=in_range(1), help="Longest text in characters; longer ones get 422."
     ),
-    api_token: str = typer.Option(
-        None,
-        "--api-token",
-        envvar="NOSTALL_API_TOKEN",
-        show_envvar=True,
-        help="Requests must carry 'Authorization: Bearer <token>' (the probes excepted).",
-    ),
-    grace_s: float = typer.Option(
-        30.0,
-        callback=in_range(1.0, 3600.0),
-        help="On SIGTERM/SIGINT: seconds open requests may take to finish before they are cut.",
+    api_token: str = _token(),
+    grace_s: float = _grace(
+        "On SIGTERM/SIGINT: seconds open requests may take to finish before they are cut."
     ),
 ) -> None:
     """Serve the store's text encoders (T5, UMT5, CLIP): unpooled and pooled embeddings as
