@@ -178,6 +178,14 @@ def _segments(root: str):
     return SharedPool.segments(root=root)
 
 
+def _hardware() -> str:
+    try:
+        query = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"]
+        return subprocess.run(query, capture_output=True, text=True).stdout.strip()
+    except FileNotFoundError:
+        return f"no GPU ({os.cpu_count()} CPUs)"
+
+
 def _png(r: httpx.Response) -> bytes:
     return base64.b64decode(r.json()["data"][0]["b64_json"])
 
@@ -195,11 +203,7 @@ def main() -> None:
     record: dict = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": os.environ.get("NOSTALL_COMMIT", "unknown"),
-        "hardware": subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-        ).stdout.strip(),
+        "hardware": _hardware(),
     }
     write = [sys.executable, "-m", "nostall.cli", "synthetic", args.store, "--size", args.size]
     write += ["--overwrite", "--pipeline", "flux", "--pipeline", "sdxl"]
