@@ -480,7 +480,9 @@ class Worker:
                 log.info("job for %s stopped: %s", t.job.model, e)
             else:
                 log.exception("job for %s failed", t.job.model)
-            t.future.set_exception(e)
+            # Its frames (the pipeline's, mid-call) hold the device tier's weights and the
+            # activations: a future kept past shutdown kept 1.1 GB of device memory (H200).
+            t.future.set_exception(_without_frames(e))
             return None
         self._settler.settle(t.future, result)
         return result
@@ -618,3 +620,14 @@ def _log_prefetch_failure(fut: Future) -> None:
     e = fut.exception()
     if e is not None:
         log.info("prefetch did not run: %s", e)
+
+
+def _without_frames(e: BaseException) -> BaseException:
+    """``e`` and the exceptions it chains, their tracebacks dropped (logged already)."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        x.__traceback__ = None
+        x = x.__cause__ or x.__context__
+    return e
