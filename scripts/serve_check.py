@@ -75,7 +75,9 @@ def _image(url: str, body: dict) -> httpx.Response:
 def drain(store: str, logs: str, size: str, device: str) -> dict:
     side, grace, gpu, host, _ = SIZES[size]
     options = ("--grace-s", str(grace), "--max-overtaken", "0", "--host-budget-gb", host)
-    proc, url = _start(store, device, *options, "--gpu-budget-gb", gpu, log=f"{logs}/drain.log")
+    if size == "tiny":  # (at full size: the default, FLUX's 34 GB resident)
+        options += ("--gpu-budget-gb", gpu)
+    proc, url = _start(store, device, *options, log=f"{logs}/drain.log")
     base = {"model": "flux", "prompt": "a lighthouse", "size": f"{side}x{side}", "seed": 1}
     base["max_sequence_length"] = 64
     warm = _image(url, {**base, "steps": 1})  # the first switch out of the way
@@ -134,6 +136,12 @@ def shared_tier(store: str, logs: str, root: str, size: str, device: str) -> dic
 
     side, _, gpu, host, smaller = SIZES[size]
     os.environ["NOSTALL_SHM_DIR"] = root  # (the workers inherit it)
+    # SDXL alone: three workers of one GPU, each with a device tier SDXL fits
+    only = os.path.join(os.path.dirname(os.path.abspath(store)), "sdxl-only")
+    os.makedirs(only, exist_ok=True)
+    if not os.path.lexists(os.path.join(only, "sdxl")):
+        os.symlink(os.path.join(os.path.abspath(store), "sdxl"), os.path.join(only, "sdxl"))
+    store = only
     body = {"model": "sdxl", "prompt": "a lighthouse", "size": f"{side}x{side}", "steps": 4}
     body["seed"] = 3
     common = ("--host-tier", "shared:check", "--gpu-budget-gb", gpu)
