@@ -42,6 +42,7 @@ SWITCH_B = "history/switch-lean-f40f06d.json"
 SWITCH = "switch.json"
 FP8 = "fp8.json"
 GPU_CHECK = "gpu-check.json"
+SERVE_CHECK = "serve-check.json"
 SERVE = "serve.json"
 REMOTE = "remote.json"
 SERVE_B1 = "history/serve-7d22636.json"  # the unbatched stream (its batched part failed)
@@ -446,6 +447,33 @@ def gpu_checks(doc: Doc) -> str:
     return table(head, rows)
 
 
+def serve_check(doc: Doc) -> str:
+    """#28's real-size check of ``nostall serve`` (scripts/serve_check.py): the drain on
+    SIGTERM and the shared tier after its index is damaged."""
+    r = doc.rec(SERVE_CHECK)
+    d, t = r["drain"], r["shared_tier"]
+    status = ", ".join(f"{k} {d[k]}" for k in ("readyz_after_sigterm", "new_request_after_sigterm"))
+    rows = [
+        [
+            f"SIGTERM with `--grace-s {d['grace_s']:g}`, a job running, two queued",
+            f"{status}; finished job {d['finished_job']}, running job {d['running_job']} "
+            f"({d['running_job_says']}), queued job {d['queued_job']}; exited "
+            f"{d['exit_after_sigterm_s']:.1f} s after the signal, status {d['returncode']}",
+            "yes" if d["ok"] else "**no**",
+        ],
+        [
+            "three workers on one shared tier, its index overwritten between them",
+            f"the third (a smaller budget) warned and attached: {t['third_worker_warned']}; "
+            f"first worker's image unchanged: {t['first_worker_image_unchanged']}; second "
+            f"worker from tier {t['second_worker_switch_tiers']}; files left after the last "
+            f"worker: {len(t['files_left_after_last_worker'])}",
+            "yes" if t["ok"] else "**no**",
+        ],
+    ]
+    caption = f"{when(r)}, `{r['commit']}`, {r['hardware']}, {doc.link(SERVE_CHECK)}"
+    return f"{caption}\n\n" + table(["check", "what happened", "OK"], rows)
+
+
 _STREAMS = (
     ("peer", "diffusers worker (peer, `.to()` per switch)"),
     ("stream", "nostall worker"),
@@ -637,6 +665,7 @@ BLOCKS: dict[str, Callable[[Doc], str]] = {
     "switch-identity": switch_identity,
     "switch-identity-targets": switch_identity_targets,
     "gpu-checks": gpu_checks,
+    "serve-check": serve_check,
     "decode-modes": decode_modes,
     "decode-modes-targets": decode_modes_targets,
     "fp8": fp8,
