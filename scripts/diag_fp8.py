@@ -149,7 +149,7 @@ def whole(torchao_ok: bool, torchao_compile: bool) -> dict:
 
     import diffusers
 
-    from nostall.quant.check import sqnr_db
+    from nostall.verify import sqnr_db
     from nostall.quant.fp8 import DEFAULT_SKIP, quantize_weight, skip_reason
     from nostall.quant.modules import install_fp8
     from nostall.synthetic import step_inputs

@@ -56,7 +56,7 @@ def s3_server(tmp_path_factory):
 @pytest.fixture
 def s3_env(s3_server, monkeypatch):
     """The AWS variables pointing at ``s3_server``, and a fresh process-wide client."""
-    import nostall.io.remote as remote
+    import nostall.store.remote as remote
 
     for k, v in s3_server.env.items():
         monkeypatch.setenv(k, v)

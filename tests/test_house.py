@@ -9,6 +9,7 @@ import ast
 import json
 import pathlib
 import subprocess
+import sys
 
 import pytest
 
@@ -133,6 +134,67 @@ def test_imports_form_no_cycle_function_level_imports_included():
 
 def test_the_cycle_check_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# The folders (and top-level modules) in the order data flows through them: a folder
+# imports only from folders of a lower layer. Store → host memory → device → module /
+# pipeline → cache → serve → cli, with the tools (synthetic stores, the demo, the
+# benchmarks) above what they drive.
+LAYERS = [
+    {"errors", "logs"},
+    {"store"},  # where weights live: formats, readers, object storage, the catalog
+    {"memory"},  # host memory: pinned pools, the shared tier
+    {"transfer"},  # host → device
+    {"assemble", "video"},  # modules and pipelines built on device weights; frames out
+    {"quant"},
+    {"api"},  # load_state_dict / load_model
+    {"adapters", "verify"},
+    {"cache"},
+    {"nostall"},  # the package's public surface
+    {"serve", "synthetic"},
+    {"demo", "bench"},
+    {"cli"},
+]
+
+
+def _folder(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "nostall"
+
+
+def _upward_imports(graph: dict[str, set[str]], layers: list[set[str]]) -> list[str]:
+    rank = {f: i for i, layer in enumerate(layers) for f in layer}
+    bad = []
+    for name, targets in sorted(graph.items()):
+        a = _folder(name)
+        for target in sorted(targets):
+            b = _folder(target)
+            if a != b and rank.get(b, len(layers)) >= rank.get(a, -1):
+                bad.append(f"{name} ({a}) imports {target} ({b})")
+    return bad
+
+
+def test_every_folder_has_a_layer():
+    assert {_folder(n) for n in MODULES} - set().union(*LAYERS) == set()
+
+
+def test_folders_form_layers_each_importing_only_from_below():
+    assert _upward_imports(_graph(), LAYERS) == []
+
+
+def test_the_layer_check_finds_an_upward_import():
+    graph = {"nostall.store.a": {"nostall.cache.b"}, "nostall.cache.b": {"nostall.store.a"}}
+    assert _upward_imports(graph, [{"store"}, {"cache"}]) == [
+        "nostall.store.a (store) imports nostall.cache.b (cache)"
+    ]
+
+
+def test_import_nostall_stays_light():
+    code = "import sys, nostall; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert out.stdout.strip() == "[]"
 
 
 def test_user_facing_code_imports_no_benchmark():

@@ -11,9 +11,8 @@ def test_all_is_exactly_the_public_surface():
     public = {n for n in dir(nostall) if not n.startswith("_")} - {
         "adapters",
         "api",
-        "checkpoint",
         "errors",
-        "io",
+        "store",
         "logs",
         "memory",
         "transfer",
@@ -50,9 +49,9 @@ def test_exception_tree():
 
 
 def test_errors_moved_into_the_tree_keep_their_old_import_paths():
-    from nostall.io.base import UnsupportedBackend
     from nostall.serve.client import EmbeddingUnavailable
     from nostall.serve.worker import Cancelled, QueueFull, ShuttingDown
+    from nostall.store.base import UnsupportedBackend
 
     assert UnsupportedBackend is errors.UnsupportedBackend
     assert EmbeddingUnavailable is nostall.EmbeddingUnavailable
@@ -65,7 +64,7 @@ def test_errors_moved_into_the_tree_keep_their_old_import_paths():
 
 def test_import_works_with_asserts_stripped():
     # python -O drops assert statements: no invariant may rest on one.
-    code = "import nostall, nostall.video, nostall.io, nostall.transfer.loader\n"
+    code = "import nostall, nostall.video, nostall.store, nostall.transfer.loader\n"
     subprocess.run([sys.executable, "-O", "-c", code], check=True)
 
 

@@ -5,11 +5,12 @@ Load safetensors checkpoints from storage to the GPU at the speed of the link
 out of the GPU without stalling it (``nostall.video``).
 
 Nothing here touches CUDA at import: streams, pools and threads belong to the
-objects that create them.
+objects that create them. ``import nostall`` loads only the exceptions; the rest (and
+torch) load on first use of a name.
 """
 
-from nostall.api import load_model, load_state_dict
-from nostall.cache import CacheStats, ModelCache, SwitchReport
+import importlib as _importlib
+
 from nostall.errors import (
     AdapterError,
     ArgumentError,
@@ -36,11 +37,24 @@ from nostall.errors import (
     UnknownModel,
     UnsupportedError,
 )
-from nostall.memory.pool import PinnedPool, PoolStats
-from nostall.quant import QuantizeReport, quantize
-from nostall.transfer.loader import Loader, LoadResult, LoadStats
 
 __version__ = "0.1.0"
+
+# Where each public name lives: imported on first use (PEP 562).
+_LAZY = {
+    "load_model": "nostall.api",
+    "load_state_dict": "nostall.api",
+    "CacheStats": "nostall.cache",
+    "ModelCache": "nostall.cache",
+    "SwitchReport": "nostall.cache",
+    "PinnedPool": "nostall.memory.pool",
+    "PoolStats": "nostall.memory.pool",
+    "QuantizeReport": "nostall.quant",
+    "quantize": "nostall.quant",
+    "Loader": "nostall.transfer.loader",
+    "LoadResult": "nostall.transfer.loader",
+    "LoadStats": "nostall.transfer.loader",
+}
 
 __all__ = [
     "AdapterError",
@@ -81,3 +95,16 @@ __all__ = [
     "load_state_dict",
     "quantize",
 ]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nostall' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

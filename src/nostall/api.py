@@ -11,9 +11,9 @@ import time
 import torch
 from torch import nn
 
-from nostall.checkpoint import resolve
 from nostall.errors import CheckpointError
 from nostall.memory.pool import PinnedPool
+from nostall.store import resolve
 from nostall.transfer.loader import Loader, LoadStats
 
 __all__ = ["default_loader", "load_model", "load_model_with_stats", "load_state_dict"]
@@ -39,8 +39,8 @@ def default_loader() -> Loader:
 
 
 def local_source(path, cache_dir=None):
-    """``path``, with an ``s3://`` URL mirrored first (:func:`nostall.cache.digests.local_source`)."""
-    from nostall.cache.digests import local_source as mirrored
+    """``path``, with an ``s3://`` URL mirrored first (:func:`nostall.store.digest_index.local_source`)."""
+    from nostall.store.digest_index import local_source as mirrored
 
     return mirrored(path, cache_dir)
 
@@ -59,7 +59,7 @@ def load_state_dict(
     diffusers/transformers component folder, local or in object storage
     (``s3://bucket/key``: ranged GETs on many connections straight into host memory,
     endpoint and credentials from the standard AWS variables; ``cache_dir`` keeps a
-    disk copy for the next process, see :func:`~nostall.cache.digests.local_source`). Reader threads fill host memory and
+    disk copy for the next process, see :func:`~nostall.store.digest_index.local_source`). Reader threads fill host memory and
     each chunk is copied to the GPU as soon as it lands; the tensors are views into
     one flat device allocation per checkpoint. ``dtype`` casts floating tensors
     (fp16/bf16/fp32/fp64; fp8 and integers are kept) on the device after the copy.

@@ -148,8 +148,8 @@ def _from_bucket(tmp: str, path: str, dev, loader, ref, sync) -> DemoRow | None:
         return None
     if importlib.util.find_spec("boto3") is None:
         return None
-    import nostall.io.remote as remote
-    from nostall.io.mirror import mirror
+    import nostall.store.remote as remote
+    from nostall.store.mirror import mirror
 
     os.makedirs(os.path.join(tmp, "buckets", "demo"))
     shutil.copyfile(path, os.path.join(tmp, "buckets", "demo", "demo.safetensors"))
@@ -318,9 +318,9 @@ def run_fp8_demo(*, device: str) -> dict:
     :func:`nostall.load_model`, run one forward on the same inputs: bytes, the compute path
     the FP8 layers took, and the output's SQNR against bf16."""
     import nostall
-    from nostall.quant.check import sqnr_db
     from nostall.quant.modules import fp8_compute
     from nostall.synthetic import safetensors_bytes, step_inputs, write_transformer
+    from nostall.verify import sqnr_db
 
     dev = torch.device(device)
     with tempfile.TemporaryDirectory() as tmp:

@@ -369,7 +369,7 @@ def _fp8_reference(folder, name, dtype=None):
     """The FP8 pipeline as nostall.load_model builds each FP8 component (upcast on CPU)."""
     from diffusers import DiffusionPipeline
 
-    from nostall.checkpoint import resolve
+    from nostall.store import resolve
 
     parts = {}
     for sub in sorted(os.listdir(folder)):
@@ -559,7 +559,7 @@ def test_a_file_rewritten_in_place_between_switches_is_served_new(store, tmp_pat
     import torch
     from safetensors.torch import load_file, save_file
 
-    from nostall.checkpoint import resolve
+    from nostall.store import resolve
 
     shutil.copytree(store / "flux", tmp_path / "s" / "flux")
     with nostall.ModelCache(

@@ -10,7 +10,7 @@ import pytest
 
 import nostall
 from nostall.cache import Store
-from nostall.cache.digests import DigestIndex
+from nostall.store.digest_index import DigestIndex
 
 from cache_support import reference, run
 

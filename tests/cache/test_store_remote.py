@@ -33,7 +33,7 @@ def test_a_store_in_a_bucket_serves_the_images_of_the_local_store(store, s3_env,
 
 
 def test_a_store_in_a_bucket_is_indexed_ahead_as_a_local_one(store, s3_env, tmp_path):
-    from nostall.cache.store import Store
+    from nostall.store.catalog import Store
 
     shutil.copytree(store / "flux", f"{s3_env.root}/indexed/s/flux")
     remote = Store("s3://indexed/s", cache_dir=tmp_path / "r")

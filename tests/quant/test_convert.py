@@ -11,10 +11,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import nostall
-from nostall.checkpoint import resolve
 from nostall.errors import ArgumentError, CheckpointError
 from nostall.quant import convert as convert_mod
 from nostall.quant.fp8 import METADATA_KEY, dequantize
+from nostall.store import resolve
 
 
 def _tensors(seed=0):

@@ -41,8 +41,8 @@ def flux_store(tmp_path_factory):
 
 def test_fp8_transformer_runs_on_tensor_cores_close_to_bf16(tmp_path):
     _fits_tensor_cores()
-    from nostall.quant.check import sqnr_db
     from nostall.synthetic import step_inputs, write_transformer
+    from nostall.verify import sqnr_db
 
     src = write_transformer(str(tmp_path / "bf16"), "tiny", torch.device("cuda"))
     nostall.quantize(src, tmp_path / "fp8")
@@ -90,7 +90,7 @@ def test_the_row_quantization_kernel_equals_the_reference_ops():
 @pytest.mark.parametrize("kind", ["t5", "umt5", "clip-l", "clip-g"])
 def test_each_encoder_runs_fp8_on_tensor_cores(tmp_path, kind):
     _fits_tensor_cores()
-    from nostall.quant.check import sqnr_db
+    from nostall.verify import sqnr_db
 
     from test_encoders import _run, build_encoder
 
@@ -146,8 +146,8 @@ def test_model_cache_serves_fp8_on_tensor_cores_as_load_model_builds_it(flux_sto
 
 
 def _entries(folder):
-    from nostall.checkpoint import resolve
     from nostall.errors import CheckpointError
+    from nostall.store import resolve
 
     try:
         return resolve(folder).entries()

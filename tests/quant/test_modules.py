@@ -13,10 +13,10 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 import nostall
-from nostall.checkpoint import resolve
 from nostall.errors import CheckpointError
 from nostall.quant import modules as modules_mod
-from nostall.quant.check import sqnr_db
+from nostall.store import resolve
+from nostall.verify import sqnr_db
 
 
 @pytest.fixture(scope="module")

@@ -588,8 +588,8 @@ def test_left_out_encoders_on_disk_do_not_make_a_model_look_cold(embed, serve):
 def test_the_service_serves_an_fp8_t5_folder_as_it_is(store, tmp_path):
     # `nostall quantize` output (T5 and CLIP in e4m3) served without a conversion step.
     import nostall
-    from nostall.quant.check import sqnr_db
     from nostall.serve.embed import EmbeddingService
+    from nostall.verify import sqnr_db
 
     models = tmp_path / "models"
     models.mkdir()

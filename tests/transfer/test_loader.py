@@ -19,8 +19,8 @@ from nostall.errors import (
     PoolExhausted,
     ReadError,
 )
-from nostall.io.backends import DirectBackend
-from nostall.io.base import ReadBackend, UnsupportedBackend
+from nostall.store.backends import DirectBackend
+from nostall.store.base import ReadBackend, UnsupportedBackend
 from nostall.transfer.loader import Loader
 
 from support import (
@@ -389,7 +389,7 @@ def test_start_into_a_caller_buffer_under_a_key(loader, pool, big_file, use_pool
     from nostall.transfer.plan import LoadPlan
 
     ref = load_file(str(big_file))
-    need = LoadPlan(nostall.checkpoint.resolve(big_file)).target_bytes
+    need = LoadPlan(nostall.store.resolve(big_file)).target_bytes
     buf = torch.full((need + 100,), 0xEE, dtype=torch.uint8)
     kwargs = {"pool": pool, "key": ("component", 1)} if use_pool else {}
     pending = loader.start(big_file, into=buf, **kwargs)
@@ -410,7 +410,7 @@ def test_start_into_a_caller_buffer_under_a_key(loader, pool, big_file, use_pool
 
 
 def test_tensors_back_to_back_on_both_sides_are_one_copy(tmp_path):
-    from nostall.checkpoint import resolve
+    from nostall.store import resolve
     from nostall.transfer.plan import Copy, LoadPlan
 
     # Sizes that are multiples of 256 bytes, after one odd tensor that shifts the file's
@@ -442,8 +442,8 @@ def test_tensors_back_to_back_on_both_sides_are_one_copy(tmp_path):
 
 @pytest.mark.parametrize("route", ["pool", "host"])
 def test_reads_hash_every_byte_as_they_land(loader, pool, big_file, route):
-    from nostall.checkpoint import resolve
-    from nostall.checkpoint.digest import hash_file_data
+    from nostall.store import resolve
+    from nostall.store.digest import hash_file_data
 
     (f,) = resolve(big_file).files
     want = hash_file_data(str(big_file), f.data_start, f.data_end)
@@ -457,8 +457,8 @@ def test_reads_hash_every_byte_as_they_land(loader, pool, big_file, route):
 
 
 def test_a_file_replaced_after_its_header_was_read_is_never_read(loader, pool, big_file):
-    from nostall.checkpoint import resolve
     from nostall.errors import FileChanged
+    from nostall.store import resolve
 
     ckpt = resolve(big_file)
     t = load_file(str(big_file))
@@ -474,8 +474,8 @@ def test_a_file_replaced_after_its_header_was_read_is_never_read(loader, pool, b
 def test_a_file_rewritten_while_it_is_read_is_an_error_not_mixed_bytes(
     loader, pool, big_file, monkeypatch
 ):
-    from nostall.checkpoint.digest import DataHasher
     from nostall.errors import FileChanged
+    from nostall.store.digest import DataHasher
 
     real = DataHasher.feed
     done = []

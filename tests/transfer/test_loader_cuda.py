@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 import nostall
 from nostall.errors import ReadError
-from nostall.io.base import ReadBackend
+from nostall.store.base import ReadBackend
 from nostall.transfer.loader import Loader
 
 from support import assert_same, bits, sample_tensors, skip_unless_read_mode_runs

@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 import torch.nn as nn
 
-from nostall.checkpoint.files import open_regular, parse_json
 from nostall.errors import CheckpointError
+from nostall.store.files import open_regular, parse_json
 
 __all__ = ["Library", "config_path", "library_of", "read_config", "resolve_model_class"]
 

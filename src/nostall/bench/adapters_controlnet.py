@@ -199,7 +199,7 @@ class ControlNetPart:
         on the device (median of ``repeat``); then its image."""
         import diffusers
 
-        from nostall.cache.store import CONTROLNET_PIPELINES
+        from nostall.store.catalog import CONTROLNET_PIPELINES
 
         dev, dtype = self.dev, self.dtype
         base = diffusers.DiffusionPipeline.from_pretrained(self.flux, dtype=dtype).to(dev)

@@ -38,8 +38,8 @@ from collections.abc import Callable
 import torch
 
 from nostall.bench.record import check_run, header
-from nostall.quant.check import sqnr_db
 from nostall.synthetic.transformer import safetensors_bytes, step_inputs
+from nostall.verify import sqnr_db
 
 __all__ = ["PARTS", "evaluate_targets", "fp8_store", "run_fp8_bench"]
 
@@ -69,8 +69,8 @@ def _switch_hits(folder: str, dev: torch.device, repeat: int, nbytes: int) -> fl
     """Median seconds of a memory-tier switch as the model cache makes one for a component
     whose module already views its device memory: the checkpoint's bytes from a pinned
     pool (filled by a first load) into that memory, nothing built."""
-    from nostall.checkpoint import resolve
     from nostall.memory.pool import PinnedPool
+    from nostall.store import resolve
     from nostall.transfer.loader import Loader
     from nostall.transfer.plan import LoadPlan
 

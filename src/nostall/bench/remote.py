@@ -114,7 +114,7 @@ def write_object(folder: str, size: str, device: str, log: Callable[[str], None]
 @contextlib.contextmanager
 def _pointed_at(server) -> Iterator[None]:
     """The AWS variables of ``server`` in this process, and a fresh default client."""
-    import nostall.io.remote as remote
+    import nostall.store.remote as remote
 
     saved = {k: os.environ.get(k) for k in server.env}
     os.environ.update(server.env)
@@ -139,8 +139,8 @@ def _sync(dev: torch.device) -> None:
 
 def _nostall(url: str, dev: torch.device, connections: int, work: str) -> tuple[dict, dict]:
     """The figures, and the tensors loaded (on the device, to compare with the peer's)."""
-    from nostall.io.mirror import mirror
     from nostall.memory.pool import PinnedPool, size_class
+    from nostall.store.mirror import mirror
     from nostall.transfer.loader import Loader
     from nostall.transfer.plan import LoadPlan
 
@@ -149,7 +149,7 @@ def _nostall(url: str, dev: torch.device, connections: int, work: str) -> tuple[
         t0 = time.perf_counter()
         local = mirror(url, mirror_root)
         mirror_s = time.perf_counter() - t0
-        from nostall.checkpoint import resolve
+        from nostall.store import resolve
 
         need = size_class(LoadPlan(resolve(local)).host_bytes)
         with (
@@ -183,7 +183,7 @@ def _nostall(url: str, dev: torch.device, connections: int, work: str) -> tuple[
 
 
 def _objects(url: str) -> list:
-    from nostall.io.remote import default_s3
+    from nostall.store.remote import default_s3
 
     return [o for o in default_s3().list(url) if o.url.endswith(".safetensors")]
 

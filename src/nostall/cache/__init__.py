@@ -8,7 +8,7 @@
 
 from nostall.cache.cache import CacheStats, ModelCache
 from nostall.cache.report import ComponentSwitch, SwitchReport
-from nostall.cache.store import ComponentEntry, PipelineEntry, Store
+from nostall.store.catalog import ComponentEntry, PipelineEntry, Store
 
 __all__ = [
     "CacheStats",

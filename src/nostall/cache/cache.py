@@ -51,7 +51,6 @@ from nostall.cache.modules import Instance, Instances
 from nostall.cache.moves import Move, issue
 from nostall.cache.pipelines import Pipelines
 from nostall.cache.report import CacheStats, ComponentSwitch, SwitchReport
-from nostall.cache.store import ComponentEntry, PipelineEntry, Store
 from nostall.errors import (
     ArgumentError,
     BudgetExceeded,
@@ -61,6 +60,7 @@ from nostall.errors import (
 )
 from nostall.memory.events import event_done
 from nostall.memory.host import memory_limit
+from nostall.store.catalog import ComponentEntry, PipelineEntry, Store
 from nostall.transfer.loader import Loader, resolve_device
 
 __all__ = ["CacheStats", "ModelCache"]

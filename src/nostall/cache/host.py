@@ -21,9 +21,9 @@ import logging
 import torch
 
 from nostall.cache.placement import Extent, Requests, admit
-from nostall.cache.store import ComponentEntry, Store, files_key
 from nostall.errors import ArgumentError, NostallError
 from nostall.memory.pool import PinnedPool, size_class
+from nostall.store.catalog import ComponentEntry, Store, files_key
 from nostall.transfer.plan import LoadPlan
 
 __all__ = ["HostTier", "cpu_tier_bytes", "parse_host_tier", "store_bytes"]

@@ -22,8 +22,8 @@ import torch.nn as nn
 
 from nostall.assemble import adopt, build_empty, resolve_model_class, target_dtypes
 from nostall.cache.device import Slot
-from nostall.cache.store import ComponentEntry
 from nostall.quant.modules import install_fp8, prepare_fp8
+from nostall.store.catalog import ComponentEntry
 from nostall.transfer.plan import LoadPlan
 
 __all__ = ["Instance", "Instances", "build_instance"]

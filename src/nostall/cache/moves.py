@@ -17,9 +17,9 @@ import torch
 from nostall.cache.device import DeviceTier, Slot
 from nostall.cache.modules import Instance
 from nostall.cache.report import ComponentSwitch
-from nostall.cache.store import ComponentEntry
 from nostall.errors import PoolExhausted
 from nostall.memory.pool import PinnedPool
+from nostall.store.catalog import ComponentEntry
 from nostall.transfer.loader import Loader
 
 __all__ = ["Move", "issue"]

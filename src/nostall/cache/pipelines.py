@@ -28,8 +28,8 @@ from typing import Any
 
 from nostall.cache.holds import Hold
 from nostall.cache.modules import Instance
-from nostall.cache.store import ComponentEntry, PipelineEntry
 from nostall.errors import CheckpointError, ClosedError, UnsupportedError
+from nostall.store.catalog import ComponentEntry, PipelineEntry
 
 __all__ = ["Assembler", "Pipelines"]
 

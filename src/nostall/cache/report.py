@@ -30,7 +30,7 @@ class ComponentSwitch:
         role: its name in the pipeline (``"transformer"``).
         class_name: the module's class.
         digest: the first 12 hex digits of its key (its content digest, or until that is
-            known a digest of its files' identities: :mod:`nostall.cache.store`).
+            known a digest of its files' identities: :mod:`nostall.store.catalog`).
         nbytes: its weights' bytes on the device.
         tier: where it came from: ``"gpu"`` (already there; ``"device"`` on a CPU cache),
             ``"host"`` (the pinned host tier), ``"disk"`` (read; the OS page cache may

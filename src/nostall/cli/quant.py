@@ -75,7 +75,7 @@ def quantize(
 def _print_check(src: str, dst: str) -> None:
     """Per converted component: the median and worst layer SQNR, the output's, and the
     ten worst layers."""
-    from nostall.quant.check import check as run_check
+    from nostall.verify import check as run_check
 
     pairs = [(src, dst, os.path.basename(os.path.normpath(src)))]
     if os.path.isfile(os.path.join(src, "model_index.json")):

@@ -35,11 +35,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nostall.checkpoint import Checkpoint, resolve
-from nostall.checkpoint.dtypes import to_torch
-from nostall.checkpoint.files import open_regular, parse_json
-from nostall.checkpoint.header import FileIndex
-from nostall.checkpoint.writer import StreamWriter, describe_write_error
 from nostall.errors import ArgumentError, CheckpointError, ReadError
 from nostall.quant.fp8 import (
     DEFAULT_SKIP,
@@ -50,6 +45,11 @@ from nostall.quant.fp8 import (
     scheme_metadata,
     skip_reason,
 )
+from nostall.store import Checkpoint, resolve
+from nostall.store.dtypes import to_torch
+from nostall.store.files import open_regular, parse_json
+from nostall.store.header import FileIndex
+from nostall.store.writer import StreamWriter, describe_write_error
 
 __all__ = ["QuantizeReport", "quantize"]
 

@@ -45,9 +45,9 @@ import torch
 
 from nostall.cache.device import DeviceTier
 from nostall.cache.report import human_bytes
-from nostall.cache.store import ComponentEntry, PipelineEntry, Store
-from nostall.checkpoint.dtypes import BITS
 from nostall.errors import ArgumentError, BudgetExceeded, NostallError
+from nostall.store.catalog import ComponentEntry, PipelineEntry, Store
+from nostall.store.dtypes import BITS
 from nostall.transfer.loader import resolve_device
 
 __all__ = [
@@ -251,7 +251,7 @@ class DeviceBudget:
         pipelines: the names whose remembered peaks size the default reserve (default:
             every name remembered for this kind of device, and the share).
         cache_dir: where ``activation-peaks.json`` lives (default: the digest index's
-            folder, :func:`~nostall.cache.digests.default_cache_dir`; ``False``: in
+            folder, :func:`~nostall.store.digest_index.default_cache_dir`; ``False``: in
             memory only).
         memory: the device's numbers (default: :class:`DeviceMemory` of ``device``).
 
@@ -286,7 +286,7 @@ class DeviceBudget:
         self._write_failed = False
         self.path: str | None = None
         if cache_dir is not False:
-            from nostall.cache.digests import default_cache_dir
+            from nostall.store.digest_index import default_cache_dir
 
             root = default_cache_dir() if cache_dir in (None, True) else os.fspath(cache_dir)
             self.path = os.path.join(root, PEAKS_FILE)

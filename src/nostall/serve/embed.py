@@ -200,8 +200,8 @@ class EmbeddingService:
         max_queue: int = 1024,
         budget: DeviceBudget | None = None,
     ):
-        from nostall.cache.store import Store
         from nostall.serve.metrics import EmbedMetrics
+        from nostall.store.catalog import Store
         from nostall.transfer.loader import resolve_device
 
         self.device = resolve_device(device)

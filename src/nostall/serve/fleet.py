@@ -152,9 +152,9 @@ def build_fleet(
             import ray
 
             from nostall.cache.host import store_bytes
-            from nostall.cache.store import Store
             from nostall.serve.budget import text_encoder_bytes
             from nostall.serve.worker import Worker
+            from nostall.store.catalog import Store
 
             self.index = index
             self.actor = ray.get_runtime_context().get_actor_name()  # for operators (and tests)
@@ -255,8 +255,8 @@ def build_fleet(
     @serve.ingress(app)
     class Router:
         def __init__(self, *workers):
-            from nostall.cache.store import Store
             from nostall.serve.metrics import FleetMetrics
+            from nostall.store.catalog import Store
 
             self.workers = list(workers)
             # The process's one store of this folder, kept while the router lives.

@@ -173,7 +173,7 @@ def _vae_scale(vae: dict[str, Any]) -> int:
 
 def image_rules(entry: Any, limits: Limits) -> ImageRules:
     """The :class:`ImageRules` of the pipeline in store entry ``entry`` (a
-    :class:`~nostall.cache.store.PipelineEntry`): its class, VAE, denoiser and
+    :class:`~nostall.store.catalog.PipelineEntry`): its class, VAE, denoiser and
     tokenizer configs, read without loading a weight."""
     cls = entry.class_name
     comps = entry.components

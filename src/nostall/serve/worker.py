@@ -43,7 +43,6 @@ import torch
 
 from nostall.cache import ModelCache, Store
 from nostall.cache.report import human_bytes
-from nostall.cache.store import CONTROLNET_PIPELINES
 from nostall.errors import (  # the job errors live in the one tree; imported here as before
     ArgumentError,
     Cancelled,
@@ -66,6 +65,7 @@ from nostall.serve.requests import (
 from nostall.serve.results import Result, Settler
 from nostall.serve.runner import ImageJob, Runner, VideoJob, activation_key
 from nostall.serve.schedule import Policy
+from nostall.store.catalog import CONTROLNET_PIPELINES
 from nostall.transfer.loader import resolve_device
 
 __all__ = [

@@ -31,15 +31,15 @@ from typing import Any
 
 import torch
 
-from nostall.checkpoint import Checkpoint, FileIndex, resolve
-from nostall.checkpoint.digest import DataHasher, FileIdentity
 from nostall.errors import ArgumentError, ClosedError, DeviceError, FileChanged, ReadError
-from nostall.io.backends import open_backend
-from nostall.io.base import DEFAULT_BLOCK_BYTES, REMOTE_RANGE_BYTES, REMOTE_SUFFIX, ReadBackend
-from nostall.io.reader import ParallelReader, ReadRequest
 from nostall.memory.host import PAGE, HostArena, release_pages, round_up
 from nostall.memory.pool import Block, PinnedPool
 from nostall.memory.ring import StagingRing
+from nostall.store import Checkpoint, FileIndex, resolve
+from nostall.store.backends import open_backend
+from nostall.store.base import DEFAULT_BLOCK_BYTES, REMOTE_RANGE_BYTES, REMOTE_SUFFIX, ReadBackend
+from nostall.store.digest import DataHasher, FileIdentity
+from nostall.store.reader import ParallelReader, ReadRequest
 from nostall.transfer.copy import CopyEngine, HostCopy, Transfer
 from nostall.transfer.plan import HOST_ALIGN, LoadPlan
 
@@ -246,7 +246,7 @@ class Loader:
         building thousands of views would only hold the GIL beside a running inference.
 
         ``digest``: hash every data byte as it is read (reader threads, xxh3-128 leaves,
-        :mod:`nostall.checkpoint.digest`); :attr:`PendingLoad.digests` then holds one
+        :mod:`nostall.store.digest`); :attr:`PendingLoad.digests` then holds one
         digest per file. A memory-cache hit reads nothing and has none.
 
         Every read compares each file's identity (``fstat``) with the one its header was

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from nostall.checkpoint import Checkpoint, to_torch
 from nostall.errors import ArgumentError, CheckpointError
 from nostall.memory.host import round_up
+from nostall.store import Checkpoint, to_torch
 
 __all__ = ["CASTABLE", "Cast", "Copy", "LoadPlan", "Slot"]
 

@@ -1,6 +1,6 @@
 """The digest index: each file's content digest, remembered by its identity on disk.
 
-A file's digest (xxh3-128 of every data byte, :mod:`nostall.checkpoint.digest`) is
+A file's digest (xxh3-128 of every data byte, :mod:`nostall.store.digest`) is
 computed the first time nostall reads it; the index keeps it under the file's identity
 ``(device, inode, size, mtime_ns, ctime_ns)``, so a new process knows every file it
 has seen before without reading a byte, and a file rewritten in place (new size or
@@ -17,7 +17,7 @@ then keeps its digests in memory; each is said once in the log.
 Each row carries a checksum of everything in it (identity, path, digest): a row edited
 by hand or corrupted fails it, is dropped and said in the log, and its file is hashed
 again when next read. A checksum is no proof (any program can write a consistent
-row), so the store does not trust a row with sharing either: :mod:`nostall.cache.keys`.
+row), so the store does not trust a row with sharing either: :mod:`nostall.store.keys`.
 Rows live in table ``digests``; the ``files`` table of versions before the checksum is
 left to them (its files are hashed once more, on their next read).
 """
@@ -32,8 +32,8 @@ import sqlite3
 import threading
 import time
 
-from nostall.checkpoint.digest import SCHEME, FileIdentity
 from nostall.errors import InternalError
+from nostall.store.digest import SCHEME, FileIdentity
 
 __all__ = ["DigestIndex", "default_cache_dir", "local_source"]
 
@@ -54,7 +54,7 @@ def default_cache_dir() -> str:
 
 
 def local_source(source, cache_dir: str | os.PathLike | bool | None = None):
-    """``source`` as a local path: an ``s3://`` URL is mirrored (:mod:`nostall.io.mirror`)
+    """``source`` as a local path: an ``s3://`` URL is mirrored (:mod:`nostall.store.mirror`)
     under ``<cache_dir>/remote`` first; anything else is returned as it is.
 
     A ``cache_dir`` given as a folder is also the disk tier: weight files read from object
@@ -64,7 +64,7 @@ def local_source(source, cache_dir: str | os.PathLike | bool | None = None):
     """
     if not (isinstance(source, str) and source.startswith("s3://")):
         return source
-    from nostall.io.mirror import mirror
+    from nostall.store.mirror import mirror
 
     keep = cache_dir not in (None, True, False)
     root = os.fspath(cache_dir) if keep else default_cache_dir()

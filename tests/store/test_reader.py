@@ -11,9 +11,9 @@ import time
 import pytest
 
 from nostall.errors import ArgumentError, CheckpointError, ClosedError, DegradedError, ReadError
-from nostall.io import ParallelReader, ReadRequest, open_backend
-from nostall.io import backends as backends_mod
-from nostall.io.backends import BufferedBackend, DirectBackend
+from nostall.store import ParallelReader, ReadRequest, open_backend
+from nostall.store import backends as backends_mod
+from nostall.store.backends import BufferedBackend, DirectBackend
 
 from support import skip_unless_read_mode_runs
 

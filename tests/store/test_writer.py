@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from nostall.checkpoint.header import read_header
-from nostall.checkpoint.writer import StreamWriter
 from nostall.errors import ArgumentError, NostallError
+from nostall.store.header import read_header
+from nostall.store.writer import StreamWriter
 
 
 def _tensors():

@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 
 import nostall
 from nostall.errors import ArgumentError, CheckpointError, FileChanged, RemoteError
-from nostall.io.mirror import mirror
-from nostall.io.remote import S3, ObjectRef, split_url
+from nostall.store.mirror import mirror
+from nostall.store.remote import S3, ObjectRef, split_url
 from nostall.synthetic.s3server import S3Server
 
 from support import assert_same, make_sharded, sample_tensors
@@ -82,7 +82,7 @@ def test_a_model_loads_from_a_bucket(s3_env, tmp_path):
 
 
 def test_the_object_replaced_mid_download_is_an_error_and_nothing_is_kept(tmp_path, monkeypatch):
-    import nostall.io.remote as remote
+    import nostall.store.remote as remote
 
     root = tmp_path / "buckets"
     (root / "b").mkdir(parents=True)
@@ -112,7 +112,7 @@ def test_the_object_replaced_mid_download_is_an_error_and_nothing_is_kept(tmp_pa
 
 
 def test_the_server_gone_mid_download_is_a_remote_error_within_bounded_time(tmp_path, monkeypatch):
-    import nostall.io.remote as remote
+    import nostall.store.remote as remote
 
     root = tmp_path / "buckets"
     (root / "b").mkdir(parents=True)
@@ -135,7 +135,7 @@ def test_the_server_gone_mid_download_is_a_remote_error_within_bounded_time(tmp_
 
 
 def test_missing_bucket_object_and_credentials_are_named(s3_env, monkeypatch, tmp_path):
-    import nostall.io.remote as remote
+    import nostall.store.remote as remote
 
     with pytest.raises(RemoteError, match="no bucket 'nobucket'"):
         nostall.load_state_dict("s3://nobucket/x.safetensors")

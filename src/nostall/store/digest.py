@@ -127,10 +127,10 @@ class DataHasher:
 def hash_file_data(path: str, start: int, end: int, *, block: int = 64 << 20) -> str:
     """The digest of ``path``'s bytes ``[start, end)``, read here in ``block`` pieces (a
     separate pass: for indexing a store ahead of time and for tests). Read through
-    :func:`~nostall.io.open_backend`, so a mirror's stub of a remote weight file is read
+    :func:`~nostall.store.open_backend`, so a mirror's stub of a remote weight file is read
     from object storage, as a load reads it."""
     from nostall.errors import CheckpointError
-    from nostall.io.backends import open_backend
+    from nostall.store.backends import open_backend
 
     hasher = DataHasher(start, end)
     buf = bytearray(block)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import nostall
-from nostall.quant.check import check, sqnr_db
+from nostall.verify import check, sqnr_db
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_a_wrong_pairing_shows_in_the_numbers(flux, tmp_path):
     other = tmp_path / "other"
     from safetensors.torch import load_file, save_file
 
-    from nostall.checkpoint import resolve
+    from nostall.store import resolve
 
     other.mkdir()
     for f in resolve(src).files:

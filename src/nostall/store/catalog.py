@@ -11,16 +11,16 @@ every byte that makes them up is equal:
 * weights: the class, the config (minus the fields that name where it was saved),
   every safetensors header (tensor names, dtypes, shapes, offsets, metadata), and a
   digest of **every data byte** of every file (xxh3-128,
-  :mod:`nostall.checkpoint.digest`). A file's data digest is computed by the reader
+  :mod:`nostall.store.digest`). A file's data digest is computed by the reader
   threads the first time nostall reads the file (never as a pass of its own), and kept
-  in the digest index (:mod:`nostall.cache.digests`) under the file's identity, so a
+  in the digest index (:mod:`nostall.store.digest_index`) under the file's identity, so a
   new process knows it without reading. Until all of a component's file digests are
   known, its key is made of its files' identities (device, inode, size, times): it
   shares nothing, except with itself reached through another path (a symlink, as in a
   Hugging Face cache). Once learned, the content decides: a later component with the
   same content is given the key this process first served that content under.
   A digest the index claims is not trusted with sharing: two sets of files share one
-  copy only once this process has hashed both (:mod:`nostall.cache.keys`), and a row
+  copy only once this process has hashed both (:mod:`nostall.store.keys`), and a row
   the bytes contradict is logged and replaced.
 * tokenizers, schedulers and other files: every file's bytes (they are small), read
   at scan time: the files at the folder's top level and one folder down (transformers
@@ -64,8 +64,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nostall.cache.digests import DigestIndex, default_cache_dir, local_source
-from nostall.cache.folders import (
+from nostall.errors import (
+    AdapterError,
+    ArgumentError,
+    CheckpointError,
+    FileChanged,
+    InternalError,
+    ReadError,
+    UnknownModel,
+)
+from nostall.store import Checkpoint, resolve
+from nostall.store.base import REMOTE_SUFFIX
+from nostall.store.digest import FileIdentity, hash_file_data
+from nostall.store.digest_index import DigestIndex, default_cache_dir, local_source
+from nostall.store.files import open_regular
+from nostall.store.folders import (
     MAX_FILES_BYTES,
     Stamp,
     check_links,
@@ -77,20 +90,7 @@ from nostall.cache.folders import (
     read_json,
     stamp,
 )
-from nostall.cache.keys import Keys, content_digest, identity_key
-from nostall.checkpoint import Checkpoint, resolve
-from nostall.checkpoint.digest import FileIdentity, hash_file_data
-from nostall.checkpoint.files import open_regular
-from nostall.errors import (
-    AdapterError,
-    ArgumentError,
-    CheckpointError,
-    FileChanged,
-    InternalError,
-    ReadError,
-    UnknownModel,
-)
-from nostall.io.base import REMOTE_SUFFIX
+from nostall.store.keys import Keys, content_digest, identity_key
 
 __all__ = ["CONTROLNET_PIPELINES", "ComponentEntry", "PipelineEntry", "Store"]
 
@@ -139,7 +139,7 @@ class ComponentEntry:
         content: the content digest once every byte's digest is known, hashed by this
             process or claimed by the digest index (``None`` until the first read of a
             weights component whose files the index did not know). A claim is served
-            under a key other files share only once proven (:mod:`nostall.cache.keys`).
+            under a key other files share only once proven (:mod:`nostall.store.keys`).
     """
 
     role: str
@@ -201,7 +201,7 @@ class Store:
     Args:
         models: a folder of pipeline folders, or a mapping ``name → pipeline folder``,
             or an ``s3://bucket/prefix`` holding pipeline folders (mirrored under
-            ``cache_dir``: :func:`~nostall.cache.digests.local_source`).
+            ``cache_dir``: :func:`~nostall.store.digest_index.local_source`).
         variant: weights variant (``"fp16"``) in every component folder.
         cache_dir: where the digest index lives (default: ``$NOSTALL_CACHE_DIR``,
             ``$XDG_CACHE_HOME/nostall`` or ``~/.cache/nostall``; ``False``: in memory).

@@ -49,7 +49,7 @@ def _flip_one_byte(path, offset):
 def test_two_pipelines_that_differ_anywhere_are_two_components(store, tmp_path, change):
     from safetensors.torch import load_file, save_file
 
-    from nostall.checkpoint import resolve
+    from nostall.store import resolve
 
     root = tmp_path / "s"
     a, b = _copy(store, tmp_path, "flux"), root / "flux-x"

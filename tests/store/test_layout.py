@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nostall.checkpoint import layout, resolve
 from nostall.errors import ArgumentError, CheckpointError, ReadError
+from nostall.store import layout, resolve
 
 from support import make_sharded
 

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from nostall.checkpoint import BITS, nbytes_of, parse_header, read_header, to_torch
 from nostall.errors import CheckpointError, ReadError
+from nostall.store import BITS, nbytes_of, parse_header, read_header, to_torch
 
 
 def write_raw(path, header: dict | bytes, data: bytes = b"", *, length: int | None = None) -> str:

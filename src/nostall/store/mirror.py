@@ -8,7 +8,7 @@ indexes). :func:`mirror` makes an object-storage prefix one: under
   downloaded whole, in parallel, each under a temporary name renamed into place;
 * for every weight file, a *stub* ``<name>.safetensors.remote`` holding the object's URL,
   size, ETag and its safetensors header (two ranged GETs: the length, then the header).
-  The loader reads the data through the stub (:class:`~nostall.io.remote.RemoteBackend`),
+  The loader reads the data through the stub (:class:`~nostall.store.remote.RemoteBackend`),
   straight into pinned memory; with ``keep_weights`` it also writes the disk tier's
   copy, renamed to ``<name>.safetensors`` only once complete.
 
@@ -27,9 +27,9 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
-from nostall.checkpoint.header import MAX_HEADER_BYTES, parse_header
 from nostall.errors import CheckpointError, RemoteError
-from nostall.io.remote import (
+from nostall.store.header import MAX_HEADER_BYTES, parse_header
+from nostall.store.remote import (
     REMOTE_SUFFIX,
     S3,
     ObjectRef,

@@ -21,10 +21,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from nostall.checkpoint.files import open_regular, parse_json
-from nostall.checkpoint.header import FileIndex, TensorEntry, read_header
 from nostall.errors import ArgumentError, CheckpointError, ReadError
-from nostall.io.base import REMOTE_SUFFIX
+from nostall.store.base import REMOTE_SUFFIX
+from nostall.store.files import open_regular, parse_json
+from nostall.store.header import FileIndex, TensorEntry, read_header
 
 __all__ = ["Checkpoint", "resolve"]
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from nostall.checkpoint.digest import LEAF_BYTES, DataHasher, FileIdentity, hash_file_data
+from nostall.store.digest import LEAF_BYTES, DataHasher, FileIdentity, hash_file_data
 
 
 def _feed(data: bytes, start: int, end: int, cuts: list[int], shuffle: bool) -> str:

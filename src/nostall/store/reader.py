@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nostall.errors import ArgumentError, ClosedError
-from nostall.io.base import ReadBackend
+from nostall.store.base import ReadBackend
 
 __all__ = ["ParallelReader", "ReadHandle", "ReadRequest", "cpu_count"]
 

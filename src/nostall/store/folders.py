@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nostall.checkpoint.digest import FileIdentity
-from nostall.checkpoint.files import open_regular, parse_json
 from nostall.errors import CheckpointError, ReadError
+from nostall.store.digest import FileIdentity
+from nostall.store.files import open_regular, parse_json
 
 __all__ = [
     "MAX_ENTRIES",

@@ -6,8 +6,8 @@ import logging
 import multiprocessing
 import sqlite3
 
-from nostall.cache.digests import FILENAME, DigestIndex, default_cache_dir
-from nostall.checkpoint.digest import FileIdentity
+from nostall.store.digest import FileIdentity
+from nostall.store.digest_index import FILENAME, DigestIndex, default_cache_dir
 
 
 def _ident(n: int) -> FileIdentity:
@@ -39,7 +39,7 @@ def test_the_default_folder_follows_the_environment(monkeypatch, tmp_path):
 
 def test_a_corrupt_index_is_moved_aside_and_rebuilt_said_once(tmp_path, caplog):
     (tmp_path / FILENAME).write_bytes(b"this is not a database" * 100)
-    with caplog.at_level(logging.WARNING, logger="nostall.cache.digests"):
+    with caplog.at_level(logging.WARNING, logger="nostall.store.digest_index"):
         index = DigestIndex(tmp_path)
     assert index.persistent
     index.put(_ident(1), "/m/a", "d1")
@@ -53,7 +53,7 @@ def test_an_unwritable_folder_is_bypassed_said_once(tmp_path, caplog):
     # A folder that cannot exist (under a regular file): refused even to root, as a
     # read-only or full filesystem would refuse it.
     (tmp_path / "file").write_text("x")
-    with caplog.at_level(logging.WARNING, logger="nostall.cache.digests"):
+    with caplog.at_level(logging.WARNING, logger="nostall.store.digest_index"):
         index = DigestIndex(tmp_path / "file" / "sub")
         index.put(_ident(1), "/m/a", "d1")
         index.put(_ident(2), "/m/b", "d2")
@@ -78,7 +78,7 @@ def test_a_write_that_fails_later_is_bypassed_said_once(tmp_path, caplog, monkey
             pass
 
     index._db = Broken()
-    with caplog.at_level(logging.WARNING, logger="nostall.cache.digests"):
+    with caplog.at_level(logging.WARNING, logger="nostall.store.digest_index"):
         index.put(_ident(1), "/m/a", "d1")
         index.put(_ident(2), "/m/b", "d2")
     assert index.get(_ident(2)) == "d2" and not index.persistent
@@ -112,7 +112,7 @@ def test_a_row_edited_by_hand_fails_its_checksum_and_is_dropped_said_once(tmp_pa
     index.close()
     with sqlite3.connect(tmp_path / FILENAME) as db:  # b's row now claims a's digest
         db.execute("UPDATE digests SET digest = 'd1' WHERE ino = 2")
-    with caplog.at_level(logging.WARNING, logger="nostall.cache.digests"):
+    with caplog.at_level(logging.WARNING, logger="nostall.store.digest_index"):
         fresh = DigestIndex(tmp_path)
         assert fresh.get(_ident(2)) is None and fresh.get(_ident(2)) is None
         assert fresh.get(_ident(1)) == "d1"  # its neighbours are kept

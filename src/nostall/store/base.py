@@ -32,7 +32,7 @@ __all__ = [
 # sequential 2 MiB reads keep a disk's queue full without hurting latency.
 DEFAULT_BLOCK_BYTES = 2 << 20
 
-# A mirror of object storage (nostall.io.mirror) leaves ``<file>.safetensors.remote``
+# A mirror of object storage (nostall.store.mirror) leaves ``<file>.safetensors.remote``
 # where a weight file it has not downloaded would be: the object's URL, size, ETag and
 # header. A checkpoint's FileIndex then names the stub; its data is read remotely.
 REMOTE_SUFFIX = ".remote"
@@ -51,7 +51,7 @@ class ReadBackend(ABC):
     ``alignment`` is what the destination address, the file offset and the length
     of every request must be multiples of (1 for buffered reads). ``degraded`` is
     ``None``, or a sentence saying which strategy was asked for and why this one
-    runs instead (set by :func:`~nostall.io.open_backend` on a fallback).
+    runs instead (set by :func:`~nostall.store.open_backend` on a fallback).
     """
 
     name: str = ""

@@ -24,8 +24,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from nostall.checkpoint.dtypes import BITS, dtype_name
 from nostall.errors import ArgumentError, CheckpointError
+from nostall.store.dtypes import BITS, dtype_name
 
 __all__ = ["StreamWriter"]
 

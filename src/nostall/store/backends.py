@@ -8,7 +8,7 @@ import mmap
 import os
 
 from nostall.errors import ArgumentError, DegradedError, UnsupportedBackend
-from nostall.io.base import REMOTE_SUFFIX, ReadBackend, open_error
+from nostall.store.base import REMOTE_SUFFIX, ReadBackend, open_error
 
 __all__ = ["BufferedBackend", "DirectBackend", "open_backend"]
 
@@ -71,7 +71,7 @@ def open_backend(path: str, mode: str, *, block_bytes: int, strict: bool = False
     """
     if path.endswith(REMOTE_SUFFIX):
         # A mirror's stub: the bytes are in object storage (any read mode).
-        from nostall.io.remote import RemoteBackend
+        from nostall.store.remote import RemoteBackend
 
         return RemoteBackend(path, block_bytes=block_bytes)
     if mode in ("auto", "buffered"):

@@ -13,7 +13,7 @@ it insists on ``206 Partial Content`` for a ranged read, and rclone's S3 server 
 our tests and benchmarks run) answers ranges with ``200`` and a ``Content-Range``.
 
 Every range is checked against the object's ETag and size as the mirror saw them
-(:mod:`nostall.io.mirror`): ``If-Match`` asks the server to refuse a replaced object,
+(:mod:`nostall.store.mirror`): ``If-Match`` asks the server to refuse a replaced object,
 and the response's ETag and ``Content-Range`` are compared too (servers that ignore
 ``If-Match`` exist), so an object replaced mid-download is a
 :class:`~nostall.FileChanged`, never a mix of two versions. A range that fails
@@ -37,7 +37,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from nostall.errors import ArgumentError, CheckpointError, FileChanged, RemoteError
-from nostall.io.base import REMOTE_RANGE_BYTES, REMOTE_SUFFIX, ReadBackend
+from nostall.store.base import REMOTE_RANGE_BYTES, REMOTE_SUFFIX, ReadBackend
 
 __all__ = [
     "RANGE_BYTES",

@@ -15,7 +15,7 @@ import sys
 from typing import BinaryIO
 
 from nostall.errors import CheckpointError
-from nostall.io.base import require_regular
+from nostall.store.base import require_regular
 
 __all__ = ["open_regular", "parse_json"]
 

@@ -16,11 +16,11 @@ import reprlib
 import struct
 from dataclasses import dataclass, field
 
-from nostall.checkpoint.digest import FileIdentity
-from nostall.checkpoint.dtypes import BITS, nbytes_of
-from nostall.checkpoint.files import open_regular, parse_json
 from nostall.errors import CheckpointError, ReadError
-from nostall.io.base import REMOTE_SUFFIX
+from nostall.store.base import REMOTE_SUFFIX
+from nostall.store.digest import FileIdentity
+from nostall.store.dtypes import BITS, nbytes_of
+from nostall.store.files import open_regular, parse_json
 
 __all__ = [
     "MAX_HEADER_BYTES",

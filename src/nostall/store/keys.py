@@ -2,9 +2,9 @@
 
 A key is what every tier of the model cache files a component under: two components
 with one key are served as one copy. A weights component's key comes from the data
-digests of its files (:mod:`nostall.checkpoint.digest`), either **verified** (computed
+digests of its files (:mod:`nostall.store.digest`), either **verified** (computed
 by this process from the bytes, as a read landed them or in ``Store.index_files``) or
-**claimed** (a row of the digest index, :mod:`nostall.cache.digests`, that an earlier
+**claimed** (a row of the digest index, :mod:`nostall.store.digest_index`, that an earlier
 process wrote). A claim is what spares a new process reading and hashing files it has
 seen, and it can be wrong: a row edited by hand or corrupted (its checksum catches
 those), written by a buggy version, or copied with the index from a machine whose
@@ -36,8 +36,8 @@ from __future__ import annotations
 import hashlib
 import json
 
-from nostall.checkpoint import Checkpoint
-from nostall.checkpoint.digest import FileIdentity
+from nostall.store import Checkpoint
+from nostall.store.digest import FileIdentity
 
 __all__ = ["Keys", "content_digest", "identity_key"]
 

@@ -22,8 +22,8 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-from nostall.checkpoint import resolve
 from nostall.quant.fp8 import SCALE_SUFFIX
+from nostall.store import resolve
 
 __all__ = ["CheckReport", "check", "sqnr_db"]
 
