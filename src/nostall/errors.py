@@ -249,10 +249,21 @@ class UnknownModel(NostallError):
         name: the name asked for.
         available: every name the store has.
         close: the names that look like it.
+        left_out: why the store's folder of that name is not served as a pipeline (no
+            ``model_index.json``, a dangling link), or ``None`` when there is no such folder.
     """
 
-    def __init__(self, message: str, *, name: str, available: list[str], close: list[str]):
+    def __init__(
+        self,
+        message: str,
+        *,
+        name: str,
+        available: list[str],
+        close: list[str],
+        left_out: str | None = None,
+    ):
         self.name, self.available, self.close = name, list(available), list(close)
+        self.left_out = left_out
         super().__init__(message)
 
 

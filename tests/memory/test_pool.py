@@ -409,3 +409,18 @@ def test_a_pageable_pool_touches_only_the_blocks_that_are_written():
         assert inside == b.size
         assert _resident(start, size) - inside < slack
         b.release()
+
+
+def test_a_block_whose_pinning_fails_is_given_back(monkeypatch):
+    with PinnedPool(4 * GRANULE, pin=False) as pool:
+
+        def failed(upto, timeout):
+            raise NostallError("pinning failed (simulated)")
+
+        monkeypatch.setattr(pool._pinning, "wait", failed)
+        for _ in range(3):  # the whole pool each time: a leaked block would exhaust it
+            with pytest.raises(NostallError, match="simulated"):
+                pool.allocate(4 * GRANULE, key="ckpt")
+        assert pool.lookup("ckpt") is None  # never written, so never served
+        stats = pool.stats(hugepages=False)
+        assert (stats.in_use, stats.blocks, stats.free) == (0, 0, pool.capacity)

@@ -237,3 +237,25 @@ def test_a_component_linked_to_a_large_folder_is_refused_at_once_naming_it(store
     assert Store(root, cache_dir=False).entry("flux-b").components["tokenizer"].digest == key
     (b / "tokenizer" / "extra" / "template.jinja").write_text("{{ y }}")
     assert s.entry("flux-b").components["tokenizer"].digest != key  # re-scanned: changed
+
+
+@pytest.mark.parametrize("broken", ["no index", "dangling link"])
+def test_a_folder_left_out_of_the_store_is_named_with_why(store, tmp_path, broken):
+    root = tmp_path / "s"
+    root.mkdir()
+    shutil.copytree(store / "sdxl", root / "sdxl")
+    if broken == "no index":
+        shutil.copytree(store / "sdxl", root / "e")
+        (root / "e" / "model_index.json").unlink()
+        why = "has no model_index.json"
+    else:
+        (root / "e").symlink_to(tmp_path / "gone")
+        why = "which does not exist"
+    s = Store(root, cache_dir=False)
+    assert s.names() == ["sdxl"]
+    with pytest.raises(UnknownModel, match=why) as info:
+        s.entry("e")
+    assert info.value.left_out is not None and why in info.value.left_out
+    with pytest.raises(UnknownModel) as other:
+        s.entry("nothing-here")
+    assert other.value.left_out is None

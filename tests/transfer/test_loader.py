@@ -491,3 +491,12 @@ def test_a_file_rewritten_while_it_is_read_is_an_error_not_mixed_bytes(
     with pytest.raises(FileChanged, match="while it was read"):
         loader.start(big_file, pool=pool, digest=True)
     assert pool.stats().blocks == 0 and pool.cached_keys() == []  # nothing half-read kept
+
+
+def test_a_loader_nobody_closed_joins_its_readers_when_collected(ckpt_file):
+    loader = Loader(threads=2)
+    loader.load(ckpt_file)
+    owned = loader._owned
+    del loader
+    gc.collect()
+    assert (owned.reader, owned.remote, owned.ring) == (None, None, None)

@@ -299,7 +299,15 @@ class PinnedPool:
             # the lock released (another thread may be releasing or copying), then retry.
             for e in pending:
                 wait_event(e)
-        self.wait_pinned(offset + size)
+        try:
+            self.wait_pinned(offset + size)
+        except BaseException:
+            # Pinning failed (or the wait was interrupted): nobody will ever hold this
+            # block (nor read it: under its key it would be served unwritten), so give
+            # its range back before the error leaves.
+            self._invalidate(block)
+            self._release(block)
+            raise
         return block
 
     def lookup(self, key: Hashable) -> Block | None:

@@ -11,6 +11,7 @@ completed.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 from nostall.errors import ArgumentError
@@ -47,13 +48,16 @@ class StagingRing:
         self.pinned = self.arena.is_registered(0)
         self._cond = threading.Condition()
         self._issued: list[int] = []
+        # Mutated in place (never rebound): the finalizer holds this list to wait for
+        # the copies still reading the ring before it unpins a ring nobody closed.
         self._events: list[Any] = []
         self.reset()
+        self._finalizer = weakref.finalize(self, _teardown, self.arena, self._events)
 
     def reset(self) -> None:
         with self._cond:
             self._issued = [s - self.slots for s in range(self.slots)]
-            self._events = [None] * self.slots
+            self._events[:] = [None] * self.slots
 
     def offset(self, seq: int) -> int:
         return (seq % self.slots) * self.slot_bytes
@@ -95,5 +99,13 @@ class StagingRing:
             wait_event(e)
 
     def close(self) -> None:
-        self.drain()
-        self.arena.close()
+        """Wait for the copies that read the ring, then unpin it. Idempotent; also runs
+        when a ring nobody closed is collected."""
+        self._finalizer()
+
+
+def _teardown(arena: HostArena, events: list[Any]) -> None:
+    for e in [e for e in events if e is not None]:
+        # The copy engine may still read the ring: unpinning under it is undefined.
+        wait_event(e)
+    arena.close()

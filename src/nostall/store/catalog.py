@@ -111,10 +111,17 @@ _CONTROLNET_CLASSES = {
     "StableDiffusion3Pipeline": ("SD3ControlNetModel",),
     "FluxPipeline": ("FluxControlNetModel",),
 }
-_SHARED_FIELDS = ("in_channels", "cross_attention_dim", "block_out_channels",
-                  "attention_head_dim", "num_attention_heads", "joint_attention_dim",
-                  "pooled_projection_dim", "addition_embed_type",
-                  "projection_class_embeddings_input_dim")  # fmt: skip
+_SHARED_FIELDS = (
+    "in_channels",
+    "cross_attention_dim",
+    "block_out_channels",
+    "attention_head_dim",
+    "num_attention_heads",
+    "joint_attention_dim",
+    "pooled_projection_dim",
+    "addition_embed_type",
+    "projection_class_embeddings_input_dim",
+)
 
 INDEX = "model_index.json"
 # Config fields that say where or with what a component was saved, not what it is.
@@ -225,6 +232,7 @@ class Store:
     ):
         self.variant = variant
         self.root: str | None = None  # the folder of pipeline folders, when given one
+        self._left_out: dict[str, str] = {}  # folders of the root that are no pipeline: why
         self.source = models if isinstance(models, str) else None  # an s3:// URL, kept
         models = local_source(models, cache_dir)
         if isinstance(models, Mapping):
@@ -252,6 +260,11 @@ class Store:
                 n: os.path.join(root, n)
                 for n in names
                 if os.path.isfile(os.path.join(root, n, INDEX))
+            }
+            self._left_out = {
+                n: why
+                for n in names
+                if n not in self._folders and (why := _not_a_pipeline(os.path.join(root, n)))
             }
         self.index = DigestIndex(cache_dir)
         self.key = _share_key(models, variant, cache_dir)
@@ -393,6 +406,16 @@ class Store:
             close = difflib.get_close_matches(str(name), names, n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
             shown = ", ".join(map(repr, names[:20])) + (" …" if len(names) > 20 else "")
+            why = self._left_out.get(str(name))
+            if why is not None:
+                raise UnknownModel(
+                    f"no pipeline {name!r} in the store: {why}. It has {len(names)}: "
+                    f"{shown or 'none'}",
+                    name=str(name),
+                    available=names,
+                    close=close,
+                    left_out=why,
+                )
             raise UnknownModel(
                 f"no pipeline {name!r} in the store{hint} It has {len(names)}: {shown or 'none'}",
                 name=str(name),
@@ -716,3 +739,25 @@ def _canonical(config: dict[str, Any]) -> bytes:
     return json.dumps(
         {k: v for k, v in config.items() if k not in _VOLATILE}, sort_keys=True
     ).encode()
+
+
+def _not_a_pipeline(path: str) -> str | None:
+    """Why the store's entry ``path`` is not served as a pipeline, for the ones a user may
+    have meant as one (a folder, or a link); ``None`` for other files and hidden names."""
+    name = os.path.basename(path)
+    if name.startswith("."):
+        return None
+    if os.path.islink(path) and not os.path.exists(path):
+        return f"{path} is a link to {os.readlink(path)!r}, which does not exist"
+    if not os.path.isdir(path):
+        return None
+    index = os.path.join(path, INDEX)
+    if os.path.lexists(index):
+        return (
+            f"{index} is not a readable regular file (a dangling link, a folder, or no "
+            "permission); make it the model_index.json that save_pretrained wrote"
+        )
+    return (
+        f"the folder {path} has no {INDEX}, so it is not a diffusers pipeline folder; "
+        "save it with pipeline.save_pretrained(...), or copy the model_index.json in"
+    )

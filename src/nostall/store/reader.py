@@ -129,7 +129,10 @@ class ParallelReader:
     def close(self) -> None:
         """Join the threads. Idempotent."""
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            # A reader thread that drops the last reference to a loader runs its
+            # finalizer, and so this close: it cannot join itself.
+            inside = threading.current_thread().name.startswith("nostall-read")
+            self._pool.shutdown(wait=not inside, cancel_futures=True)
             self._pool = None
 
     def __enter__(self) -> ParallelReader:

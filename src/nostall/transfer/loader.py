@@ -25,6 +25,7 @@ import functools
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -187,19 +188,19 @@ class Loader:
         self.chunk_bytes = chunk_bytes
         self.read_mode = read_mode
         self.strict = strict
-        self._reader: ParallelReader | None = ParallelReader(threads=threads)
+        self._owned = _Owned(ParallelReader(threads=threads))
         self.connections = connections
-        self._remote: ParallelReader | None = None
         # Enough slots that every reader has one while the copies of others drain.
-        self.ring_slots = ring_slots if ring_slots is not None else self._reader.threads + 4
+        self.ring_slots = ring_slots if ring_slots is not None else self._owned.reader.threads + 4
         self.ring_slot_bytes = ring_slot_bytes
-        self._ring: StagingRing | None = None
         self._engines: dict[int, CopyEngine] = {}
         self._lock = threading.Lock()
+        # A loader nobody closed still joins its readers and unpins its ring when collected.
+        self._finalizer = weakref.finalize(self, self._owned.close)
 
     @property
     def threads(self) -> int:
-        return self._reader.threads if self._reader else 0
+        return self._owned.reader.threads if self._owned.reader else 0
 
     def load(
         self,
@@ -264,7 +265,7 @@ class Loader:
         elif not views:
             raise ArgumentError("views=False needs into= (the tensors would be lost)")
         with self._lock:
-            if self._reader is None:
+            if self._owned.reader is None:
                 raise ClosedError("the loader is closed; create a new Loader")
             target = (into, after, views) if into is not None else None
             if pool is not None:
@@ -400,7 +401,7 @@ class Loader:
 
         Returns once every range has landed and its copies are issued; the caller ends
         the copies with ``moves.finish()``."""
-        if self._reader is None:  # start() checked it under the same lock
+        if self._owned.reader is None:  # start() checked it under the same lock
             raise ClosedError("the loader is closed; create a new Loader")
         files: list[ReadBackend] = []
         handle = None
@@ -429,11 +430,11 @@ class Loader:
             if moves is not None:
                 moves.begin(after)
             t0 = time.perf_counter()
-            reader = self._reader
+            reader = self._owned.reader
             if any(b.name == "s3" for b in files):
-                if self._remote is None:
-                    self._remote = ParallelReader(threads=self.connections)
-                reader = self._remote
+                if self._owned.remote is None:
+                    self._owned.remote = ParallelReader(threads=self.connections)
+                reader = self._owned.remote
             handle = reader.submit(requests)
             # Views need the buffer, not its bytes: build them while the reads run.
             tensors = plan.views(moves.flat) if moves is not None and views else {}
@@ -486,25 +487,17 @@ class Loader:
         return engine
 
     def _staging_ring(self, dev: torch.device) -> StagingRing:
-        if self._ring is None:
+        if self._owned.ring is None:
             # Registered through the first GPU's context, portable to the others.
-            self._ring = StagingRing(
+            self._owned.ring = StagingRing(
                 slots=self.ring_slots, slot_bytes=self.ring_slot_bytes, pin=True, device=dev.index
             )
-        return self._ring
+        return self._owned.ring
 
     def close(self) -> None:
         """Join the reader threads and unpin the staging ring. Idempotent."""
         with self._lock:
-            if self._reader is not None:
-                self._reader.close()
-                self._reader = None
-            if self._remote is not None:
-                self._remote.close()
-                self._remote = None
-            if self._ring is not None:
-                self._ring.close()
-                self._ring = None
+            self._owned.close()
             self._engines.clear()
 
     def __enter__(self) -> Loader:
@@ -512,6 +505,22 @@ class Loader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass
+class _Owned:
+    """The threads and pinned memory a :class:`Loader` owns, apart from the loader so a
+    finalizer can close them without keeping the loader alive."""
+
+    reader: ParallelReader | None
+    remote: ParallelReader | None = None
+    ring: StagingRing | None = None
+
+    def close(self) -> None:
+        for part in (self.reader, self.remote, self.ring):
+            if part is not None:
+                part.close()
+        self.reader = self.remote = self.ring = None
 
 
 @dataclass
