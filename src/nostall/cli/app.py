@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from nostall.errors import ArgumentError, DeviceError, NostallError, SinkError
+from nostall.logs import Once
 
 __all__ = [
     "BENCH_OUT",
@@ -201,24 +202,6 @@ def gigabytes(value: float | None, hint: str) -> int | None:
     return int(value * 1e9)
 
 
-class _Once(logging.Filter):
-    """Lets each distinct warning through once: libraries repeat theirs per pipeline,
-    per component or per call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._seen: set[tuple[str, str]] = set()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR:
-            return True
-        key = (record.name, record.getMessage())
-        if key in self._seen:
-            return False
-        self._seen.add(key)
-        return True
-
-
 def setup_logging() -> None:
     """Warnings on stderr, each distinct one once: Python warnings that the filters let
     through (shown once per text, whichever line raised them) and log records through the
@@ -238,7 +221,7 @@ def setup_logging() -> None:
         return
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    handler.addFilter(_Once())
+    handler.addFilter(Once())  # libraries repeat theirs per pipeline, component or call
     root.addHandler(handler)
     root.setLevel(logging.WARNING)
 
