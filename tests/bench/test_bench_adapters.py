@@ -45,6 +45,7 @@ def run(tmp_path_factory):
     return tmp, out, result
 
 
+@pytest.mark.slow
 def test_every_part_runs_and_the_report_names_the_six_targets(run):
     _, out, result = run
     report = json.loads(out.read_text())
@@ -70,6 +71,7 @@ def test_every_part_runs_and_the_report_names_the_six_targets(run):
     assert "lora_recompiles" in result.output and "base restored bit for bit" in result.output
 
 
+@pytest.mark.slow
 def test_the_base_comes_back_bit_for_bit_and_switches_never_recompile(run):
     report = json.loads(run[1].read_text())
     t, ours = report["targets"], report["nostall"]
@@ -84,6 +86,7 @@ def test_the_base_comes_back_bit_for_bit_and_switches_never_recompile(run):
     assert t["lora_recompiles"]["value"] == 0 and t["lora_recompiles"]["met"] is True
 
 
+@pytest.mark.slow
 def test_controlnet_attach_fills_its_target_moving_only_the_controlnet(run):
     _, out, result = run
     report = json.loads(out.read_text())
@@ -111,6 +114,7 @@ def test_controlnet_attach_fills_its_target_moving_only_the_controlnet(run):
     assert "ControlNet attach: FluxControlNetModel" in result.output
 
 
+@pytest.mark.slow
 def test_the_controlnet_image_equals_diffusers_and_shows_the_control(run):
     report = json.loads(run[1].read_text())
     cn = report["controlnet"]
@@ -121,6 +125,7 @@ def test_the_controlnet_image_equals_diffusers_and_shows_the_control(run):
     assert img["vs_base_max_abs_diff"] > 1e-2  # the ControlNet changed the image
 
 
+@pytest.mark.slow
 def test_the_controlnet_part_runs_alone_on_the_kept_files(run, tmp_path):
     tmp, _, _ = run
     out = tmp_path / "cn.json"
@@ -136,6 +141,7 @@ def test_the_controlnet_part_runs_alone_on_the_kept_files(run, tmp_path):
     assert "LoRAs on" not in result.output  # no empty LoRA table
 
 
+@pytest.mark.slow
 def test_a_failed_peer_still_measures_the_attach(run, monkeypatch):
     from rich.console import Console
 
@@ -157,6 +163,7 @@ def test_a_failed_peer_still_measures_the_attach(run, monkeypatch):
     assert "not compared (diffusers failed)" in text and "CUDA out of memory" in text
 
 
+@pytest.mark.slow
 def test_the_controlnet_folder_loads_in_diffusers_and_is_rewritten_for_another_layout(
     run, tmp_path
 ):
@@ -179,6 +186,7 @@ def test_the_controlnet_folder_loads_in_diffusers_and_is_rewritten_for_another_l
     assert FluxControlNetModel.from_pretrained(args[1]).config.num_mode == 4
 
 
+@pytest.mark.slow
 def test_the_lora_files_read_as_written_and_are_kept(run):
     from nostall.adapters import read_lora
 
@@ -195,6 +203,7 @@ def test_the_lora_files_read_as_written_and_are_kept(run):
     assert set(again) == {"r2-a", "r2-b"} and os.stat(path).st_mtime_ns == before
 
 
+@pytest.mark.slow
 def test_a_second_run_refuses_to_overwrite_the_report(run):
     tmp, out, _ = run
     text = out.read_text()
@@ -236,6 +245,7 @@ def test_targets_read_the_figures_at_the_switch_rank():
     assert all(x["value"] is None and x["met"] is None for x in empty.values())
 
 
+@pytest.mark.slow
 def test_append_keeps_the_other_parts_and_names_them(run, tmp_path):
     tmp, out, _ = run
     first = json.loads(out.read_text())

@@ -34,6 +34,7 @@ def tiny_report(cli_run):
     return cli_run[0]
 
 
+@pytest.mark.slow
 def test_the_cli_writes_json_and_tables_and_never_over_a_report(cli_run):
     from typer.testing import CliRunner
 
@@ -51,6 +52,7 @@ def test_the_cli_writes_json_and_tables_and_never_over_a_report(cli_run):
     assert bad.exit_code == 2 and "exact" in bad.output
 
 
+@pytest.mark.slow
 def test_tiny_bench_times_every_mode_on_cpu(tiny_report):
     res = tiny_report["results"]["fp32"]
     assert tiny_report["config"]["frames"] == 9
@@ -70,6 +72,7 @@ def test_tiny_bench_times_every_mode_on_cpu(tiny_report):
     json.dumps(tiny_report)  # JSON-able
 
 
+@pytest.mark.slow
 def test_tiny_bench_compares_the_decoder_modes(tiny_report):
     modes = tiny_report["results"]["fp32"]["modes"]
     assert set(modes) == {"eager", "exact", "fast"}

@@ -24,6 +24,7 @@ TARGETS = {
 }
 
 
+@pytest.mark.slow
 def test_tiny_fp8_bench_runs_from_the_cli(tmp_path):
     out = tmp_path / "fp8.json"
     result = CliRunner().invoke(

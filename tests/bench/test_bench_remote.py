@@ -22,6 +22,7 @@ TARGETS = {
 }
 
 
+@pytest.mark.slow
 def test_tiny_remote_bench_runs_from_the_cli(tmp_path, monkeypatch):
     monkeypatch.setenv("NOSTALL_SHM_DIR", str(tmp_path))
     out = tmp_path / "remote.json"

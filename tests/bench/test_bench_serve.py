@@ -36,13 +36,14 @@ TINY_TARGETS = {
 }
 
 
+@pytest.mark.slow
 def test_tiny_serve_bench_runs_from_the_cli(tmp_path):
     out = tmp_path / "serve.json"
     result = CliRunner().invoke(
         app,
         ["bench", "serve", "--device", "cpu", "--part", "worker", "--part", "embed",
          "--requests", "12", "--clients", "6", "--resolution", "32", "--steps", "2",
-         "--texts-each", "1", "--work", str(tmp_path), "--out", str(out)],
+         "--embed-clients", "8", "--texts-each", "1", "--work", str(tmp_path), "--out", str(out)],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
@@ -72,6 +73,7 @@ def _serve(tmp_path, out, *parts, extra=()):
     return CliRunner().invoke(app, args)
 
 
+@pytest.mark.slow
 def test_every_part_of_the_real_size_run_works_at_tiny_size_in_two_commands(tmp_path):
     out = tmp_path / "serve.json"
     first = _serve(tmp_path, out, "peer", "stream", "stream-batched", extra=["--batch", "3"])

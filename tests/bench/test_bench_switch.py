@@ -7,6 +7,31 @@ import pytest
 pytest.importorskip("diffusers")
 
 
+def _children_in_this_process(monkeypatch):
+    """The bench's "new process" runs its child's code in this process instead (a fresh
+    interpreter importing torch and diffusers is most of a tiny part's time)."""
+    import contextlib
+    import io
+    import types
+    import weakref
+
+    from nostall.bench import switch as switch_bench
+    from nostall.store import catalog as store_mod
+
+    def child(self, name, cache_dir=None):
+        args = types.SimpleNamespace(store=self.folder, name=name, device="cpu", size=self.size,
+                                     cache_dir=cache_dir or self.digests)  # fmt: skip
+        buf = io.StringIO()
+        # a new process starts with no store: forget the ones this process shares
+        monkeypatch.setattr(store_mod, "_SHARED", weakref.WeakValueDictionary())
+        with contextlib.redirect_stdout(buf):
+            switch_bench._child(args)
+        return json.loads(buf.getvalue().strip().splitlines()[-1])
+
+    monkeypatch.setattr(switch_bench._Bench, "child", child)
+
+
+@pytest.mark.slow
 def test_switch_bench_runs_end_to_end_on_tiny_pipelines(tmp_path):
     from nostall.bench.switch import run_switch_bench
 
@@ -39,12 +64,14 @@ def test_switch_bench_runs_end_to_end_on_tiny_pipelines(tmp_path):
     assert targets["shared_components_flux_b_moves_only_transformer"]["met"] is True
 
 
+@pytest.mark.slow
 def test_cold_part_drops_the_cache_announced_and_compares_with_the_disk(tmp_path, monkeypatch):
     from nostall.bench import load as load_bench
     from nostall.bench.switch import run_switch_bench
 
     drops, lines = [], []
     monkeypatch.setattr(load_bench, "drop_caches", lambda: drops.append(1))
+    _children_in_this_process(monkeypatch)
     monkeypatch.setattr(
         load_bench, "disk_limit", lambda path, *, direct, drop: drop("dd") or (2.0, 1.5)
     )
@@ -63,31 +90,14 @@ def test_cold_part_drops_the_cache_announced_and_compares_with_the_disk(tmp_path
     assert report["targets"]["cold_vs_disk_sequential_read"]["value"] == cold["gbps"] / 1.5
 
 
+@pytest.mark.slow
 def test_identity_memory_hit_and_diffusers_parts(tmp_path, monkeypatch):
-    import contextlib
-    import io
-    import types
-    import weakref
-
     from nostall.bench import load as load_bench
-    from nostall.bench import switch as switch_bench
     from nostall.bench.switch import run_switch_bench
-    from nostall.cache import store as store_mod
 
     drops = []
     monkeypatch.setattr(load_bench, "drop_caches", lambda: drops.append(1))
-
-    def child(self, name, cache_dir=None):  # the child's code, in this process (CI time)
-        args = types.SimpleNamespace(store=self.folder, name=name, device="cpu", size=self.size,
-                                     cache_dir=cache_dir or self.digests)  # fmt: skip
-        buf = io.StringIO()
-        # a new process starts with no store: forget the ones this process shares
-        monkeypatch.setattr(store_mod, "_SHARED", weakref.WeakValueDictionary())
-        with contextlib.redirect_stdout(buf):
-            switch_bench._child(args)
-        return json.loads(buf.getvalue().strip().splitlines()[-1])
-
-    monkeypatch.setattr(switch_bench._Bench, "child", child)
+    _children_in_this_process(monkeypatch)
     report = run_switch_bench(
         folder=str(tmp_path / "store"),
         size="tiny",

@@ -1,12 +1,17 @@
+"""The GPU check's report: pytest's junit XML read back, and a failed test never an OK check."""
+
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
 
+import pytest
+
 from nostall.bench.gpucheck import build_report, junit_summary
 
 
+@pytest.mark.slow
 def test_junit_summary_counts_real_pytest_output(tmp_path):
     # Run pytest on a tiny file so the XML is exactly what pytest writes.
     (tmp_path / "test_x.py").write_text(

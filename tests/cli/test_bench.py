@@ -22,6 +22,7 @@ def _bench_load(folder, out, *extra):
     return runner.invoke(app, [*args, "--out", str(out), "--repeat", "1", *extra])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_load_tiny_on_cpu_writes_json(tmp_path, ckpt_folder):
     out = tmp_path / "load.json"
@@ -39,6 +40,7 @@ def test_bench_load_tiny_on_cpu_writes_json(tmp_path, ckpt_folder):
     assert "load bench (tiny" in result.output and "report written to" in result.output
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_page_cache_is_dropped_only_with_drop_caches(tmp_path, ckpt_folder, monkeypatch):
     from nostall.bench import load as load_bench
@@ -59,6 +61,7 @@ def test_the_page_cache_is_dropped_only_with_drop_caches(tmp_path, ckpt_folder, 
     assert rec["seconds"] > 0
 
 
+@pytest.mark.slow
 def test_bench_switch_cold_part_needs_drop_caches(tmp_path, tiny_store, monkeypatch):
     from nostall.bench import load as load_bench
 

@@ -1,1 +1,1 @@
-"""Reproducible benchmarks against the peers; each writes JSON that docs/BENCHMARKS.md cites."""
+"""Reproducible benchmarks against the peers, on the user's hardware; each writes a JSON record."""

@@ -46,6 +46,8 @@ import torch
 
 from nostall.bench import adapters_controlnet
 from nostall.bench.record import check_run, header
+from nostall.bench.targets import Targets
+from nostall.bench.timing import sync, timed
 
 __all__ = ["PARTS", "SIZES", "evaluate_targets", "run_adapters_bench", "tables", "write_loras"]
 
@@ -69,10 +71,21 @@ COMPILE_SWITCHES = 20
 # What FLUX LoRAs adapt (ai-toolkit, kohya's FLUX scripts): every linear layer of the
 # double and single blocks, 418 at full size (diffusers' module names, suffixes).
 FLUX_TARGETS = (
-    "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
-    "to_add_out", "proj_mlp", "proj_out", "ff.net.0.proj", "ff.net.2",
-    "ff_context.net.0.proj", "ff_context.net.2",
-)  # fmt: skip
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_add_out",
+    "proj_mlp",
+    "proj_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
+)
 _BLOCKS = re.compile(r"(single_)?transformer_blocks\.\d+\.")
 HOTSWAP_NOTE = (
     "diffusers 0.42.1 with peft 0.21 hotswaps an uncompiled transformer without "
@@ -81,20 +94,6 @@ HOTSWAP_NOTE = (
     "first load (ranks padded, scalings as tensors, so no recompile). The peer calls it "
     "before each rank's first load, as a compiled server must."
 )
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _timed(dev: torch.device, fn: Callable, *args: Any, **kw: Any) -> tuple[float, Any]:
-    """Seconds of ``fn(*args, **kw)``, synchronised before and after, and its result."""
-    _sync(dev)
-    t = time.perf_counter()
-    out = fn(*args, **kw)
-    _sync(dev)
-    return time.perf_counter() - t, out
 
 
 def _median(xs: list[float]) -> float | None:
@@ -216,7 +215,7 @@ class _Bench:
         """Seconds of ``n`` forwards after one warm-up."""
         with torch.inference_mode():
             transformer(**inputs)
-            return [_timed(self.dev, transformer, **inputs)[0] for _ in range(n)]
+            return [timed(self.dev, transformer, **inputs)[0] for _ in range(n)]
 
     # ---- diffusers + PEFT ------------------------------------------------------------
 
@@ -225,7 +224,7 @@ class _Bench:
         from safetensors.torch import load_file
 
         dev, out = self.dev, {"ranks": {}, "hotswap_note": HOTSWAP_NOTE}
-        out["from_pretrained_to_s"], pipe = _timed(
+        out["from_pretrained_to_s"], pipe = timed(
             dev,
             lambda: DiffusionPipeline.from_pretrained(self.flux, dtype=self.dtype).to(dev),
         )
@@ -234,33 +233,35 @@ class _Bench:
         inputs = self.inputs(tr)
         base = _median(self.forward(tr, inputs, self.repeat))
         out["base_forward_s"] = base
-        self.log(f"  diffusers from_pretrained + .to {out['from_pretrained_to_s']:.3f} s; "
-                 f"base forward {base * 1e3:.1f} ms")  # fmt: skip
+        self.log(
+            f"  diffusers from_pretrained + .to {out['from_pretrained_to_s']:.3f} s; "
+            f"base forward {base * 1e3:.1f} ms"
+        )
         for r in self.cfg["peer_ranks"]:
             a, b = self.lora(r, "a"), self.lora(r, "b")
             row: dict[str, Any] = {}
             # Adapter names no weight key contains: diffusers reports as missing every key
             # of another adapter that contains the loaded adapter's name ("a", "b" do).
             load = pipe.load_lora_weights
-            row["first_load_s"], _ = _timed(dev, load, a, adapter_name="lora-first")
-            row["next_load_s"], _ = _timed(dev, load, b, adapter_name="lora-next")
+            row["first_load_s"], _ = timed(dev, load, a, adapter_name="lora-first")
+            row["next_load_s"], _ = timed(dev, load, b, adapter_name="lora-next")
             pipe.set_adapters(["lora-next"], [1.0])
             fwd = _median(self.forward(tr, inputs, self.repeat))
             row["unfused_forward_s"], row["unfused_forward_overhead"] = fwd, fwd / base - 1
-            row["fuse_s"], _ = _timed(dev, pipe.fuse_lora, components=["transformer"])
-            row["unfuse_s"], _ = _timed(dev, pipe.unfuse_lora, components=["transformer"])
-            row["unload_s"], _ = _timed(dev, pipe.unload_lora_weights)
+            row["fuse_s"], _ = timed(dev, pipe.fuse_lora, components=["transformer"])
+            row["unfuse_s"], _ = timed(dev, pipe.unfuse_lora, components=["transformer"])
+            row["unload_s"], _ = timed(dev, pipe.unload_lora_weights)
             pipe.enable_lora_hotswap(target_rank=r)  # before the first load (module note)
             load(a, adapter_name="lora-swap")
             swaps = [
-                _timed(dev, load, (b, a)[i % 2], adapter_name="lora-swap", hotswap=True)[0]
+                timed(dev, load, (b, a)[i % 2], adapter_name="lora-swap", hotswap=True)[0]
                 for i in range(self.repeat)
             ]
             row["hotswap_runs_s"], row["hotswap_s"] = swaps, _median(swaps)
             # the peer's best case, as nostall keeps LoRAs read: state dicts in host memory
             held = [load_file(p) for p in (b, a)]
             swaps = [
-                _timed(dev, load, held[i % 2], adapter_name="lora-swap", hotswap=True)[0]
+                timed(dev, load, held[i % 2], adapter_name="lora-swap", hotswap=True)[0]
                 for i in range(self.repeat)
             ]
             row["hotswap_from_memory_s"] = _median(swaps)
@@ -303,16 +304,16 @@ class _Bench:
 
     def enter(self, cache, loras: dict[str, float] | None) -> float:
         """Seconds to enter ``cache.use("flux", loras=...)``, synchronised."""
-        _sync(self.dev)
+        sync(self.dev)
         t = time.perf_counter()
         with cache.use("flux", loras=loras):
-            _sync(self.dev)
+            sync(self.dev)
             return time.perf_counter() - t
 
     def nostall(self) -> dict:
         out: dict[str, Any] = {"switch": {}}
         with self.cache() as cache:
-            out["first_use_s"], pipe = _timed(self.dev, cache.pipeline, "flux")  # resident
+            out["first_use_s"], pipe = timed(self.dev, cache.pipeline, "flux")  # resident
             tr = pipe.transformer
             names = [n for n, _ in tr.named_parameters()]
             # the base before any LoRA, on the device: a second copy of the transformer
@@ -404,10 +405,10 @@ class _Bench:
         runs = []
         for i in range(COMPILE_SWITCHES):
             loras = states[(i + 2) % len(states)]
-            _sync(self.dev)
+            sync(self.dev)
             t = time.perf_counter()
             with cache.use("flux", loras=loras) as pipe:
-                _sync(self.dev)
+                sync(self.dev)
                 switch_s = time.perf_counter() - t
                 assert pipe.transformer is tr, "the cache rebuilt a resident transformer"
                 (fwd,) = self.forward(pipe.transformer, inputs, 1)
@@ -444,24 +445,20 @@ def evaluate_targets(report: dict) -> dict[str, dict]:
     """The adapters issue's targets, each ``{"value", "threshold", "op", "met"}`` (``met``
     is ``None`` where the figure was not measured). The switch targets are read at the
     size's ``switch_rank`` (64; tiny 4) under their rank-64 names."""
-    t: dict[str, dict] = {}
-
-    def target(name: str, value: float | None, op: str, threshold: float) -> None:
-        met = None if value is None else (value <= threshold if op == "<=" else value >= threshold)
-        t[name] = {"value": value, "threshold": threshold, "op": op, "met": met}
+    t = Targets()
 
     rank = str(report.get("config", {}).get("switch_rank", 64))
     ours = report.get("nostall", {})
     switch = ours.get("switch", {}).get(rank, {}).get("switch_s")
     hotswap = report.get("peer", {}).get("ranks", {}).get(rank, {}).get("hotswap_s")
-    target("lora_switch_s_r64", switch, "<=", 0.02)
+    t.add("lora_switch_s_r64", switch, "<=", 0.02)
     ratio = hotswap / switch if hotswap and switch else None
-    target("lora_switch_vs_diffusers_hotswap", ratio, ">=", 10.0)
-    target("lora_forward_overhead", ours.get("forward", {}).get("overhead"), "<=", 0.03)
-    target("lora_recompiles", ours.get("compiled", {}).get("frames_compiled"), "<=", 0)
-    target("lora_base_restored_bit_exact", ours.get("base_restored", {}).get("bit_exact"), ">=", 1)
+    t.add("lora_switch_vs_diffusers_hotswap", ratio, ">=", 10.0)
+    t.add("lora_forward_overhead", ours.get("forward", {}).get("overhead"), "<=", 0.03)
+    t.add("lora_recompiles", ours.get("compiled", {}).get("frames_compiled"), "<=", 0)
+    t.add("lora_base_restored_bit_exact", ours.get("base_restored", {}).get("bit_exact"), ">=", 1)
     attach = report.get("controlnet", {}).get("attach_gbps")
-    target("controlnet_attach_gbps", attach, ">=", 45.0)
+    t.add("controlnet_attach_gbps", attach, ">=", 45.0)
     return t
 
 
@@ -514,8 +511,9 @@ def run_adapters_bench(
     ranks = tuple(sorted({*cfg["ranks"], *cfg["peer_ranks"]}))
     loras: dict[str, dict[str, Any]] = {}
     if {"peer", "nostall"} & set(parts):  # (the controlnet part writes its own file)
-        loras = write_loras(os.path.join(store, "flux"), os.path.join(store, "loras"), ranks,
-                            device=dev, log=log)  # fmt: skip
+        loras = write_loras(
+            os.path.join(store, "flux"), os.path.join(store, "loras"), ranks, device=dev, log=log
+        )
     report: dict[str, Any] = {
         **header("adapters", dev),
         "config": {
@@ -538,8 +536,11 @@ def run_adapters_bench(
         for p in kept:
             report[p] = previous[p]
         if kept:
-            report["appended"] = {"parts": kept, "commit": previous.get("commit"),
-                                  "date": previous.get("date")}  # fmt: skip
+            report["appended"] = {
+                "parts": kept,
+                "commit": previous.get("commit"),
+                "date": previous.get("date"),
+            }
             report["config"]["parts"] = [p for p in PARTS if p in kept or p in parts]
     bench = _Bench(store, size, dev, repeat, log)
     for part in parts:
@@ -582,28 +583,41 @@ def tables(report: dict) -> list:
     for r in ranks:
         p, n = peer.get("ranks", {}).get(r, {}), ours.get("switch", {}).get(r, {})
         rows = [
-            ("first load_lora_weights / first switch (file read)", p.get("first_load_s"),
-             max(n["first_switch_s"]) if n else None),
+            (
+                "first load_lora_weights / first switch (file read)",
+                p.get("first_load_s"),
+                max(n["first_switch_s"]) if n else None,
+            ),
             ("next adapter load_lora_weights", p.get("next_load_s"), None),
             ("hotswap (file) / LoRA → LoRA switch", p.get("hotswap_s"), n.get("switch_s")),
             ("hotswap (state dict in host memory)", p.get("hotswap_from_memory_s"), None),
             ("fuse_lora / base → LoRA switch", p.get("fuse_s"), n.get("from_base_s")),
             ("unfuse_lora / LoRA → base switch", p.get("unfuse_s"), n.get("to_base_s")),
-        ]  # fmt: skip
+        ]
         for what, a, b in rows:
             if a is not None or b is not None:
                 figures.add_row(what, r, mb(r), s(a), s(b))
         if "unfused_forward_overhead" in p:
-            figures.add_row("forward, unfused adapter active vs base", r, mb(r),
-                            f"{p['unfused_forward_overhead']:+.1%}", "")  # fmt: skip
+            figures.add_row(
+                "forward, unfused adapter active vs base",
+                r,
+                mb(r),
+                f"{p['unfused_forward_overhead']:+.1%}",
+                "",
+            )
     fwd = ours.get("forward", {})
     if "overhead" in fwd:
         r = str(cfg["switch_rank"])
         figures.add_row("forward, fused LoRA vs base", r, mb(r), "", f"{fwd['overhead']:+.1%}")
     comp = ours.get("compiled", {})
     if "frames_compiled" in comp:
-        figures.add_row(f"frames compiled over {comp['switches']} switches ({comp['backend']})",
-                        "", "", "", str(comp["frames_compiled"]))  # fmt: skip
+        figures.add_row(
+            f"frames compiled over {comp['switches']} switches ({comp['backend']})",
+            "",
+            "",
+            "",
+            str(comp["frames_compiled"]),
+        )
     elif "error" in comp:
         figures.add_row("compiled switches", "", "", "", comp["error"][:60])
     if "bit_exact" in ours.get("base_restored", {}):

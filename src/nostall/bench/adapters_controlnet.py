@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from nostall.bench.timing import sync, timed
+
 __all__ = ["CONTROLNET", "LAYOUTS", "ControlNetPart", "table", "write_controlnet"]
 
 CONTROLNET = "bench-cn"  # its name under <store>/controlnets
@@ -51,20 +53,6 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 PROMPT = "a lighthouse on a cliff at dusk"
 _WEIGHTS = "diffusion_pytorch_model"
 _STAMP = "nostall-bench.json"
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _timed(dev: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
-    """Seconds of ``fn()``, synchronised before and after, and its result."""
-    _sync(dev)
-    t = time.perf_counter()
-    out = fn()
-    _sync(dev)
-    return time.perf_counter() - t, out
 
 
 def write_controlnet(
@@ -189,8 +177,15 @@ class ControlNetPart:
             if LAYOUTS[self.size].get("num_mode"):
                 kw["control_mode"] = 0  # a Union ControlNet takes the mode as a token
         g = torch.Generator().manual_seed(1)
-        return pipe(prompt=PROMPT, height=res, width=res, generator=g, output_type="np",
-                    num_inference_steps=self.image_cfg["steps"], **kw).images[0]  # fmt: skip
+        return pipe(
+            prompt=PROMPT,
+            height=res,
+            width=res,
+            generator=g,
+            output_type="np",
+            num_inference_steps=self.image_cfg["steps"],
+            **kw,
+        ).images[0]
 
     # ---- diffusers -------------------------------------------------------------------
 
@@ -210,12 +205,12 @@ class ControlNetPart:
         for _ in range(self.repeat):
             pipe = cn = None  # the last run's ControlNet leaves the device first
             self.free()
-            _sync(dev)
+            sync(dev)
             t = time.perf_counter()
-            load_s, cn = _timed(
+            load_s, cn = timed(
                 dev, lambda: cn_cls.from_pretrained(self.folder, dtype=dtype).to(dev)
             )
-            build_s, pipe = _timed(dev, lambda cn=cn: pipe_cls(**base.components, controlnet=cn))
+            build_s, pipe = timed(dev, lambda cn=cn: pipe_cls(**base.components, controlnet=cn))
             runs.append(time.perf_counter() - t)
             loads.append(load_s)
             builds.append(build_s)
@@ -229,8 +224,10 @@ class ControlNetPart:
             "pipeline_s": statistics.median(builds),
             "attach_gbps": nbytes / attach / 1e9,
         }
-        self.log(f"  diffusers: ControlNet from_pretrained + .to + pipeline {attach:.3f} s "
-                 f"({out['attach_gbps']:.2f} GB/s)")  # fmt: skip
+        self.log(
+            f"  diffusers: ControlNet from_pretrained + .to + pipeline {attach:.3f} s "
+            f"({out['attach_gbps']:.2f} GB/s)"
+        )
         return out, self.image(pipe, True)  # the pipelines go with this frame
 
     # ---- nostall ---------------------------------------------------------------------
@@ -252,15 +249,23 @@ class ControlNetPart:
     def attach(self, cache, controlnet: str | None) -> tuple[float, dict, float]:
         """Seconds to enter ``cache.use("flux", controlnet=...)`` (synchronised), the
         switch's rows by role (``tier``, ``nbytes``, …) and its report's ``total_s``."""
-        _sync(self.dev)
+        sync(self.dev)
         t = time.perf_counter()
         with cache.use("flux", controlnet=controlnet):
-            _sync(self.dev)
+            sync(self.dev)
             seconds = time.perf_counter() - t
             report = cache.last_report
-        rows = {c.role: {"tier": c.tier, "nbytes": c.nbytes, "copy_s": c.copy_s,
-                         "read_s": c.read_s, "cached": c.cached, "in_place": c.in_place}
-                for c in report.components}  # fmt: skip
+        rows = {
+            c.role: {
+                "tier": c.tier,
+                "nbytes": c.nbytes,
+                "copy_s": c.copy_s,
+                "read_s": c.read_s,
+                "cached": c.cached,
+                "in_place": c.in_place,
+            }
+            for c in report.components
+        }
         return seconds, rows, report.total_s
 
     def nostall(self, nbytes: int) -> tuple[dict, Any, Any]:
@@ -360,11 +365,17 @@ def table(report: dict) -> Any:
         s(peer.get("attach_s"), peer.get("attach_gbps")),
         s(ours["attach_s"], ours["attach_gbps"]),
     )
-    out.add_row("  of which from_pretrained + .to / the copy", s(peer.get("from_pretrained_to_s")),
-                s(ours["copy_s"]))  # fmt: skip
+    out.add_row(
+        "  of which from_pretrained + .to / the copy",
+        s(peer.get("from_pretrained_to_s")),
+        s(ours["copy_s"]),
+    )
     out.add_row("first attach (ControlNet read from disk)", "", s(ours["first_attach_s"]))
-    out.add_row("moved on the measured attach", "", ", ".join(
-        f"{r} ({ours['attach_tiers'][r]})" for r in ours["moved_roles"]))  # fmt: skip
+    out.add_row(
+        "moved on the measured attach",
+        "",
+        ", ".join(f"{r} ({ours['attach_tiers'][r]})" for r in ours["moved_roles"]),
+    )
     if img:
         res = cn["image_config"]
         what = f"image {res['res']}², {res['steps']} steps: nostall vs diffusers max |Δ|"

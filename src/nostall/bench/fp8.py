@@ -38,6 +38,8 @@ from collections.abc import Callable
 import torch
 
 from nostall.bench.record import check_run, header
+from nostall.bench.targets import Targets
+from nostall.bench.timing import sync
 from nostall.synthetic.transformer import safetensors_bytes, step_inputs
 from nostall.verify import sqnr_db
 
@@ -47,20 +49,15 @@ SIZES = ("full", "tiny")
 PARTS = ("loads", "forward", "cache", "e2e", "compile")  # compile last: the budget ends it
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def _time_forward(fn: Callable, dev: torch.device, repeat: int) -> tuple[list[float], object]:
     out = None
     times = []
     for _ in range(repeat):
-        _sync(dev)
+        sync(dev)
         t = time.perf_counter()
         with torch.inference_mode():
             out = fn()
-        _sync(dev)
+        sync(dev)
         times.append(time.perf_counter() - t)
     return times, out
 
@@ -82,10 +79,10 @@ def _switch_hits(folder: str, dev: torch.device, repeat: int, nbytes: int) -> fl
     with PinnedPool(int(nbytes * 1.1) + (64 << 20)) as pool, Loader() as loader:
         loader.start(ckpt, device=dev, pool=pool, key=key, into=flat).wait()
         for _ in range(repeat):
-            _sync(dev)
+            sync(dev)
             t = time.perf_counter()
             loader.start(ckpt, device=dev, pool=pool, key=key, into=flat, views=False).wait()
-            _sync(dev)
+            sync(dev)
             times.append(time.perf_counter() - t)
     del flat
     return statistics.median(times)
@@ -204,10 +201,10 @@ class _Fp8Bench:
             times = []
             with Loader() as loader:
                 for _ in range(repeat):
-                    _sync(dev)
+                    sync(dev)
                     t = time.perf_counter()
                     m, _ = load_model_with_stats(folder, device=dev, loader=loader)
-                    _sync(dev)
+                    sync(dev)
                     times.append(time.perf_counter() - t)
                     del m
             out["page_cache_load_s"][name] = statistics.median(times)
@@ -215,10 +212,10 @@ class _Fp8Bench:
             with PinnedPool(int(nbytes * 1.1) + (64 << 20)) as pool, Loader() as loader:
                 load_model_with_stats(folder, device=dev, loader=loader, pool=pool)  # fills it
                 for _ in range(repeat):
-                    _sync(dev)
+                    sync(dev)
                     t = time.perf_counter()
                     m, _ = load_model_with_stats(folder, device=dev, loader=loader, pool=pool)
-                    _sync(dev)
+                    sync(dev)
                     hits.append(time.perf_counter() - t)
                     del m
             out["memory_hit_s"][name] = statistics.median(hits)
@@ -311,9 +308,22 @@ class _Fp8Bench:
                 self.log(f"  {name}: compile skipped, {left:.0f} s of the budget left")
                 continue
             saved = os.path.join(work, f"{name}.pt")
-            cmd = [sys.executable, "-m", "nostall.bench.fp8", "compile", "--folder", folder,
-                   "--size", self.size, "--device", str(self.dev), "--repeat",
-                   str(self.repeat), "--save", saved]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "nostall.bench.fp8",
+                "compile",
+                "--folder",
+                folder,
+                "--size",
+                self.size,
+                "--device",
+                str(self.dev),
+                "--repeat",
+                str(self.repeat),
+                "--save",
+                saved,
+            ]
             try:
                 r = subprocess.run(cmd, capture_output=True, text=True, timeout=left, check=False)
             except subprocess.TimeoutExpired:
@@ -379,7 +389,7 @@ class _Fp8Bench:
                 for _ in range(2):
                     cache.evict("gpu")
                     self.free()
-                    _sync(self.dev)
+                    sync(self.dev)
                     t = time.perf_counter()
                     with cache.use(pipeline) as pipe:
                         switch = cache.last_report
@@ -395,7 +405,7 @@ class _Fp8Bench:
                                 generator=g,
                                 output_type="np",
                             )
-                        _sync(self.dev)
+                        sync(self.dev)
                     runs.append(
                         {
                             "total_s": time.perf_counter() - t,
@@ -428,23 +438,19 @@ def evaluate_targets(report: dict) -> dict[str, dict]:
     loads = res.get("loads", {})
     fwd = res.get("forward", {})
     comp = res.get("compile", {})
-    t: dict[str, dict] = {}
+    t = Targets()
 
-    def target(name: str, value, op: str, threshold: float) -> None:
-        met = None if value is None else (value <= threshold if op == "<=" else value >= threshold)
-        t[name] = {"value": value, "threshold": threshold, "op": op, "met": met}
-
-    target("bytes_fp8_vs_bf16", res.get("bytes", {}).get("ratio"), "<=", 0.52)
+    t.add("bytes_fp8_vs_bf16", res.get("bytes", {}).get("ratio"), "<=", 0.52)
     # a switch in the model cache's sense: bytes from the host tier into resident memory
-    target("memory_hit_switch_fp8_s", loads.get("switch_hit_s", {}).get("fp8"), "<=", 0.25)
-    target(
+    t.add("memory_hit_switch_fp8_s", loads.get("switch_hit_s", {}).get("fp8"), "<=", 0.25)
+    t.add(
         "page_cache_load_fp8_vs_bf16", loads.get("page_cache_load_s", {}).get("ratio"), "<=", 0.55
     )
-    target("forward_fp8_eager_vs_bf16_eager", fwd.get("fp8_vs_bf16_eager"), "<=", 0.9)
-    target("forward_fp8_compiled_speedup", comp.get("fp8_compiled_speedup"), ">=", 1.3)
-    target("sqnr_gap_to_torchao_db", fwd.get("sqnr_gap_to_torchao_db"), "<=", 0.5)
-    target("cache_fp8_equals_load_model", res.get("cache", {}).get("equal"), ">=", 1)
-    target("e2e_fp8_speedup", res.get("e2e", {}).get("fp8_speedup"), ">=", 1.2)
+    t.add("forward_fp8_eager_vs_bf16_eager", fwd.get("fp8_vs_bf16_eager"), "<=", 0.9)
+    t.add("forward_fp8_compiled_speedup", comp.get("fp8_compiled_speedup"), ">=", 1.3)
+    t.add("sqnr_gap_to_torchao_db", fwd.get("sqnr_gap_to_torchao_db"), "<=", 0.5)
+    t.add("cache_fp8_equals_load_model", res.get("cache", {}).get("equal"), ">=", 1)
+    t.add("e2e_fp8_speedup", res.get("e2e", {}).get("fp8_speedup"), ">=", 1.2)
     return t
 
 
@@ -496,8 +502,13 @@ def tables(report: dict) -> list:
     for col in ("figure", "bf16", "fp8", "fp8 / bf16", "torchao (peer)"):
         table.add_column(col, justify="left" if col == "figure" else "right")
     b = res["bytes"]
-    table.add_row("transformer weights (GB)", f"{b['bf16'] / 1e9:.3f}", f"{b['fp8'] / 1e9:.3f}",
-                  f"{b['ratio']:.3f}", "")  # fmt: skip
+    table.add_row(
+        "transformer weights (GB)",
+        f"{b['bf16'] / 1e9:.3f}",
+        f"{b['fp8'] / 1e9:.3f}",
+        f"{b['ratio']:.3f}",
+        "",
+    )
     loads = res.get("loads", {})
     for key, label in (
         ("page_cache_load_s", "page-cache load (s)"),
@@ -517,8 +528,13 @@ def tables(report: dict) -> list:
             f"{fwd['fp8_vs_bf16_eager']:.3f}",
             f"{ao['eager_s'] * 1e3:.1f}" if "eager_s" in ao else ao.get("error", "")[:40],
         )
-        table.add_row("output SQNR vs bf16 (dB)", "", f"{fwd['sqnr_db']:.2f}", "",
-                      f"{ao['sqnr_db']:.2f}" if "sqnr_db" in ao else "")  # fmt: skip
+        table.add_row(
+            "output SQNR vs bf16 (dB)",
+            "",
+            f"{fwd['sqnr_db']:.2f}",
+            "",
+            f"{ao['sqnr_db']:.2f}" if "sqnr_db" in ao else "",
+        )
     comp = res.get("compile", {})
     if "bf16_compiled_s" in comp:
         fp8 = comp.get("fp8_compiled_s")

@@ -2,7 +2,7 @@
 
 CI has no GPU, so ``scripts/gpu-check`` runs every ``cuda`` test, the demo on ``cuda``
 and this short benchmark on the GPU machine, and this module folds the results into
-one JSON record (``docs/bench/gpu-check.json``): date, commit, GPU, tests passed /
+one JSON record (``$OUT/gpu-check.json``): date, commit, GPU, tests passed /
 failed / skipped (with the names of the ``cuda`` tests that ran), and smoke figures:
 
 * **load**: a ~4 GB random bf16 checkpoint, ``safetensors.load_file(device=...)``
@@ -23,7 +23,6 @@ Usage (on the GPU machine)::
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import sys
@@ -35,22 +34,10 @@ from typing import Any
 
 import torch
 
-from nostall.bench.record import write_report
+from nostall.bench.record import header, write_report
+from nostall.bench.timing import sync_all, timed
 
 __all__ = ["junit_summary", "run_smoke"]
-
-
-def _sync_all() -> None:
-    for i in range(torch.cuda.device_count()):
-        torch.cuda.synchronize(i)
-
-
-def _timed(fn) -> tuple[Any, float]:
-    _sync_all()
-    t = time.perf_counter()
-    out = fn()
-    _sync_all()
-    return out, time.perf_counter() - t
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -88,7 +75,7 @@ def smoke_load(folder: str, *, nbytes: int = 4 << 30, repeat: int = 3) -> dict:
     size = _write_checkpoint(path, nbytes)
     dev = torch.device("cuda", 0)
     out: dict[str, Any] = {"bytes": size}
-    ref, ref_s = _timed(lambda: load_file(path, device=str(dev)))
+    ref_s, ref = timed(None, load_file, path, device=str(dev))
     out["safetensors_page_cache_s"] = ref_s
     with Loader() as loader, PinnedPool(int(size * 1.2), device=dev) as pool:
         loader.prepare(dev)
@@ -103,7 +90,7 @@ def smoke_load(folder: str, *, nbytes: int = 4 << 30, repeat: int = 3) -> dict:
                 ("nostall_pool_hit", {"pool": pool}),
             ):
                 torch.cuda.empty_cache()
-                result, s = _timed(lambda kw=kwargs: loader.load(path, device=dev, **kw))
+                s, result = timed(None, loader.load, path, device=dev, **kwargs)
                 equal &= _same(result.tensors, ref)
                 best[name] = min(best.get(name, float("inf")), s)
                 del result
@@ -123,7 +110,7 @@ def _two_gpus(loader, pool, path: str, size: int, ref: dict) -> dict:
     gpu1 = torch.device("cuda", 1)
     loader.load(path, device=gpu1, pool=pool)  # warm the copy stream of GPU 1
     torch.cuda.empty_cache()
-    r1, s1 = _timed(lambda: loader.load(path, device=gpu1, pool=pool))
+    s1, r1 = timed(None, loader.load, path, device=gpu1, pool=pool)
     equal = _same({k: v.to("cuda:0") for k, v in r1.tensors.items()}, ref)
     del r1
     with Loader() as other:
@@ -138,7 +125,7 @@ def _two_gpus(loader, pool, path: str, size: int, ref: dict) -> dict:
             torch.cuda.synchronize(d)
             times[d] = time.perf_counter() - t
 
-        _sync_all()
+        sync_all()
         t0 = time.perf_counter()
         threads = [
             threading.Thread(target=run, args=(ld, d)) for ld, d in ((loader, 0), (other, 1))
@@ -178,12 +165,12 @@ def smoke_decode(folder: str, *, latent_frames: int = 9) -> dict:
         out["frames"] = int(ref.shape[2])
         del ref, got
         drain(decode_chunks(vae, z), device=dev)  # warm-up
-        _, s = _timed(lambda: drain(decode_chunks(vae, z), device=dev))
+        s, _ = timed(None, lambda: drain(decode_chunks(vae, z), device=dev))
         out["decode_only_s"] = s
         mp4 = os.path.join(folder, "smoke.mp4")
         with AsyncFramePipeline(device=dev) as pipe:
             decode_to_file(vae, z, mp4, pipeline=pipe)  # warm-up
-            result, s = _timed(lambda: decode_to_file(vae, z, mp4, pipeline=pipe))
+            s, result = timed(None, decode_to_file, vae, z, mp4, pipeline=pipe)
         out["async_mp4_s"] = s
         out["async_vs_decode_only"] = s / out["decode_only_s"]
         out["mp4_frames"] = result.frames
@@ -238,13 +225,8 @@ def _gpu() -> dict:
 
 
 def build_report(junit: str, smoke: str | None, demo_rc: int | None) -> dict:
-    from nostall.bench.record import provenance
-
     report = {
-        "benchmark": "gpu-check",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        **provenance().as_dict(),
-        "hardware": _gpu(),
+        **header("gpu-check", machine=_gpu()),
         "cuda_tests": junit_summary(junit),
         "demo_rc": demo_rc,
     }

@@ -28,6 +28,7 @@ import torch
 
 from nostall.bench.peers import PEERS, Method, missing_requirement
 from nostall.bench.record import check_new_output, header, write_report
+from nostall.bench.timing import sync
 from nostall.errors import ArgumentError
 from nostall.memory.pool import PinnedPool
 from nostall.synthetic import make_checkpoint
@@ -75,11 +76,6 @@ def drop_caches() -> str | None:
 def _drop_now() -> str | None:
     # Looked up when called (run_load_bench's drop_caches flag shadows the name there).
     return drop_caches()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _free(device: torch.device) -> None:
@@ -299,7 +295,7 @@ def run_load_bench(
 
     # The reference every method is compared with (page cache warm after writing).
     ref = PEERS[0].run(folder, dev)
-    _sync(dev)
+    sync(dev)
 
     def measure(method: Method, scenario: str, runs: int) -> None:
         if methods and method.name not in methods:
@@ -323,7 +319,7 @@ def run_load_bench(
             t0 = time.perf_counter()
             try:
                 out = method.run(folder, dev)
-                _sync(dev)
+                sync(dev)
             except Exception as e:  # a peer failing is a result, not a crash of the run
                 note = f"failed: {type(e).__name__}: {e}"[:300]
                 break

@@ -225,8 +225,13 @@ def hardware(dev: torch.device | None = None) -> dict[str, Any]:
     return hw
 
 
-def header(benchmark: str, dev: torch.device | None = None) -> dict[str, Any]:
+def header(
+    benchmark: str, dev: torch.device | None = None, *, machine: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The first fields of every record: name, UTC date, provenance, hardware.
+
+    ``machine`` replaces what :func:`hardware` reports for ``dev`` (the GPU check names
+    every GPU of the machine instead).
 
     Example::
 
@@ -238,7 +243,7 @@ def header(benchmark: str, dev: torch.device | None = None) -> dict[str, Any]:
         "benchmark": benchmark,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         **provenance().as_dict(),
-        "hardware": hardware(dev),
+        "hardware": hardware(dev) if machine is None else machine,
     }
 
 
@@ -259,8 +264,8 @@ def check_run(size: str, sizes: Any, repeat: int, parts: Any, known: Any) -> Non
 def check_new_output(path: str, *, overwrite: bool) -> None:
     """Raise :class:`~nostall.ArgumentError` if ``path`` exists and ``overwrite`` is off.
 
-    Called before a run (which may take an hour) so that a recorded result, such as
-    ``docs/bench/load.json``, is never replaced by accident.
+    Called before a run (which may take an hour) so that an earlier report is never
+    replaced by accident.
 
     Example::
 

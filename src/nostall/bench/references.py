@@ -100,8 +100,12 @@ def check(
         default=float("inf"),
     )
     if nearest < _DISTINCT:
-        return {"checked": False, "why": f"references differ by {nearest:.2f} levels only",
-                "references_min": nearest, "wrong": []}  # fmt: skip
+        return {
+            "checked": False,
+            "why": f"references differ by {nearest:.2f} levels only",
+            "references_min": nearest,
+            "wrong": [],
+        }
     wrong, own_max = [], 0.0
     for a in answers:
         key = (a["model"], a["seed"])
@@ -115,10 +119,15 @@ def check(
             own_max = max(own_max, own)
         else:
             far = None if other == float("inf") else other
-            wrong.append({**_key(a), "own": None if own == float("inf") else own,
-                          "nearest_other": far})  # fmt: skip
-    return {"checked": True, "wrong": wrong, "own_max": own_max,
-            "references_min": None if nearest == float("inf") else nearest}  # fmt: skip
+            wrong.append(
+                {**_key(a), "own": None if own == float("inf") else own, "nearest_other": far}
+            )
+    return {
+        "checked": True,
+        "wrong": wrong,
+        "own_max": own_max,
+        "references_min": None if nearest == float("inf") else nearest,
+    }
 
 
 def _key(a: dict[str, Any]) -> dict[str, Any]:

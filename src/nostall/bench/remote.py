@@ -44,6 +44,8 @@ from typing import Any
 import torch
 
 from nostall.bench.record import check_run, header
+from nostall.bench.targets import Targets
+from nostall.bench.timing import sync
 
 __all__ = ["PARTS", "SIZES", "evaluate_targets", "run_remote_bench", "tables"]
 
@@ -132,11 +134,6 @@ def _pointed_at(server) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def _nostall(url: str, dev: torch.device, connections: int, work: str) -> tuple[dict, dict]:
     """The figures, and the tensors loaded (on the device, to compare with the peer's)."""
     from nostall.memory.pool import PinnedPool, size_class
@@ -158,10 +155,10 @@ def _nostall(url: str, dev: torch.device, connections: int, work: str) -> tuple[
         ):
             pool.wait_pinned()
             loader.prepare(dev)
-            _sync(dev)
+            sync(dev)
             t1 = time.perf_counter()
             result = loader.load(local, device=dev, pool=pool)
-            _sync(dev)
+            sync(dev)
             load_s = time.perf_counter() - t1
             st = result.stats
             tensors = result.tensors
@@ -226,7 +223,7 @@ def _boto3(url: str, dev: torch.device, work: str, ours: dict) -> dict[str, Any]
     folder = tempfile.mkdtemp(prefix="boto3-", dir=work)
     try:
         objects = _objects(url)
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         for o in objects:
             s3.download_file(o.bucket, o.key, os.path.join(folder, os.path.basename(o.key)))
@@ -236,7 +233,7 @@ def _boto3(url: str, dev: torch.device, work: str, ours: dict) -> dict[str, Any]
             tensors.update(
                 load_file(os.path.join(folder, os.path.basename(o.key)), device=str(dev))
             )
-        _sync(dev)
+        sync(dev)
         total = time.perf_counter() - t0
         nbytes = sum(o.size for o in objects)
         equal = set(tensors) == set(ours) and all(
@@ -277,11 +274,11 @@ def _shared_child(args: list[str]) -> None:
     attach_s = time.perf_counter() - t0
     with Loader() as loader:
         loader.prepare(dev)
-        _sync(dev)
+        sync(dev)
         t = time.perf_counter()
         # As a model cache's switch does it for a host-tier hit: the tier's block, by key.
         result = loader.start(folder, device=dev, pool=pool, key=("bench-remote", KEY)).wait()
-        _sync(dev)
+        sync(dev)
         s = time.perf_counter() - t
         st = result.stats
         del result
@@ -310,8 +307,17 @@ def _shared(folder: str, dev: torch.device, nbytes: int, log: Callable[[str], No
     runs = []
     try:
         for i in (1, 2):
-            cmd = [sys.executable, "-m", "nostall.bench.remote", "shared-child", folder, name,
-                   str(capacity), str(dev), root]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "nostall.bench.remote",
+                "shared-child",
+                folder,
+                name,
+                str(capacity),
+                str(dev),
+                root,
+            ]
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             if p.returncode:
                 raise RuntimeError(f"process {i} failed: {p.stderr.strip()[-800:]}")
@@ -403,23 +409,19 @@ def evaluate_targets(report: dict) -> dict[str, dict]:
     (``met`` is ``None`` where the figure was not measured)."""
     res = report["results"]
     slow = res.get("throttled", {})
-    t: dict[str, dict] = {}
+    t = Targets()
 
-    def target(name: str, value, op: str, threshold: float) -> None:
-        met = None if value is None else (value <= threshold if op == "<=" else value >= threshold)
-        t[name] = {"value": value, "threshold": threshold, "op": op, "met": met}
-
-    target("remote_vs_single_stream", slow.get("vs_single_stream"), ">=", 8)
-    target("remote_vs_boto3", slow.get("vs_boto3"), ">=", 1.5)
+    t.add("remote_vs_single_stream", slow.get("vs_single_stream"), ">=", 8)
+    t.add("remote_vs_boto3", slow.get("vs_boto3"), ">=", 1.5)
     overlaps = [
         res[link]["nostall"]["overlap"]
         for link in ("loopback", "throttled")
         if link in res and res[link]["nostall"].get("overlap")
     ]
-    target("remote_first_bytes_overlap", max(overlaps) if overlaps else None, "<=", 1.1)
+    t.add("remote_first_bytes_overlap", max(overlaps) if overlaps else None, "<=", 1.1)
     second = (res.get("shared") or {}).get("second") or {}
     hit = second.get("scenario") == "memory-cache hit"
-    target("shared_pool_second_process_gbps", second.get("gbps") if hit else None, ">=", 45)
+    t.add("shared_pool_second_process_gbps", second.get("gbps") if hit else None, ">=", 45)
     return t
 
 
@@ -446,15 +448,31 @@ def tables(report: dict) -> list:
             if link == "loopback"
             else f"{link} ({report['config']['bwlimit_per_connection']}/conn)"
         )
-        table.add_row(label, f"nostall ({n['connections']} conns)", f"{n['to_resident_s']:.2f}",
-                      f"{n['gbps']:.2f}", f"{n['download_s']:.2f}",
-                      f"mirror {n['mirror_s']:.2f} s, overlap {n['overlap']:.3f}")  # fmt: skip
-        table.add_row("", "one stream (GET)", "", f"{s['gbps']:.3f}", "",
-                      "" if s["complete"] else f"rate over {s['s']:.1f} s")  # fmt: skip
-        table.add_row("", "boto3 download_file + load_file", f"{b['to_resident_s']:.2f}",
-                      f"{b['gbps']:.2f}", f"{b['download_s']:.2f}",
-                      f"nostall {r['vs_boto3']:.2f}x, {r['vs_single_stream']:.1f}x one stream; "
-                      f"tensors {'equal' if b['equal_to_nostall'] else 'DIFFER'}")  # fmt: skip
+        table.add_row(
+            label,
+            f"nostall ({n['connections']} conns)",
+            f"{n['to_resident_s']:.2f}",
+            f"{n['gbps']:.2f}",
+            f"{n['download_s']:.2f}",
+            f"mirror {n['mirror_s']:.2f} s, overlap {n['overlap']:.3f}",
+        )
+        table.add_row(
+            "",
+            "one stream (GET)",
+            "",
+            f"{s['gbps']:.3f}",
+            "",
+            "" if s["complete"] else f"rate over {s['s']:.1f} s",
+        )
+        table.add_row(
+            "",
+            "boto3 download_file + load_file",
+            f"{b['to_resident_s']:.2f}",
+            f"{b['gbps']:.2f}",
+            f"{b['download_s']:.2f}",
+            f"nostall {r['vs_boto3']:.2f}x, {r['vs_single_stream']:.1f}x one stream; "
+            f"tensors {'equal' if b['equal_to_nostall'] else 'DIFFER'}",
+        )
     if any(link in res for link in ("loopback", "throttled")):
         out.append(table)
     sh = res.get("shared")

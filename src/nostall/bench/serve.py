@@ -43,6 +43,7 @@ import numpy as np
 
 from nostall.bench.record import header
 from nostall.bench.serve_full import FULL_PARTS
+from nostall.bench.targets import Targets
 
 __all__ = ["PARTS", "SIZES", "evaluate_targets", "run_serve_bench"]
 
@@ -88,8 +89,13 @@ def _drive(url: str, stream, clients: int, size: int, steps: int) -> dict[str, A
                     if not todo:
                         return
                     k, (model, seed) = todo.pop(0)
-                body = {"model": model, "prompt": f"request {k}", "size": f"{size}x{size}",
-                        "steps": steps, "seed": seed}  # fmt: skip
+                body = {
+                    "model": model,
+                    "prompt": f"request {k}",
+                    "size": f"{size}x{size}",
+                    "steps": steps,
+                    "seed": seed,
+                }
                 if model == "flux":
                     body["max_sequence_length"] = 64
                 t = time.perf_counter()
@@ -106,10 +112,17 @@ def _drive(url: str, stream, clients: int, size: int, steps: int) -> dict[str, A
                 latency = time.perf_counter() - t
                 out = r.json() if r.status_code == 200 else {"error": r.text}
                 with lock:
-                    answers[k] = {"status": r.status_code, "latency": latency, "model": model,
-                                  "seed": seed, "body": out, "sent": sent, "done": t + latency,
-                                  "worker": r.headers.get("x-nostall-worker"),
-                                  "routed_tier": r.headers.get("x-nostall-routed-tier")}  # fmt: skip
+                    answers[k] = {
+                        "status": r.status_code,
+                        "latency": latency,
+                        "model": model,
+                        "seed": seed,
+                        "body": out,
+                        "sent": sent,
+                        "done": t + latency,
+                        "worker": r.headers.get("x-nostall-worker"),
+                        "routed_tier": r.headers.get("x-nostall-routed-tier"),
+                    }
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(clients)]
@@ -120,9 +133,10 @@ def _drive(url: str, stream, clients: int, size: int, steps: int) -> dict[str, A
     wall = time.perf_counter() - t0
     ok = [a for a in answers.values() if a["status"] == 200]
     mixed = sum(
-        1 for a in ok if a["body"]["nostall"]["model"] != a["model"]
-        or a["body"]["nostall"]["seed"] != a["seed"]
-    )  # fmt: skip
+        1
+        for a in ok
+        if a["body"]["nostall"]["model"] != a["model"] or a["body"]["nostall"]["seed"] != a["seed"]
+    )
     lat = [a["latency"] for a in ok]
     return {
         "requests": len(stream),
@@ -199,10 +213,13 @@ def _worker_run(models, device, clients, n, size, steps, budgets, embed_url) -> 
     res["warm_requests"] = len(warm)
     res["warm_switches_from_memory_share"] = len(memory) / len(warm) if warm else None
     res["warm_switches_not_from_memory"] = [
-        {"order": a["body"]["nostall"]["order"], "model": a["model"],
-         "tiers": sorted({c["tier"] for c in a["body"]["nostall"]["switch"]["components"]})}
+        {
+            "order": a["body"]["nostall"]["order"],
+            "model": a["model"],
+            "tiers": sorted({c["tier"] for c in a["body"]["nostall"]["switch"]["components"]}),
+        }
         for a in other
-    ]  # fmt: skip
+    ]
     res["moved_bytes_per_request"] = res["moved_bytes_total"] / max(1, len(served))
     return res
 
@@ -221,8 +238,12 @@ def _fleet_part(models, device, clients, n, size, steps, replicas, budgets, log)
     out: dict[str, Any] = {}
     try:
         for count in sorted({1, replicas}):
-            app = build_fleet(str(models), replicas=count, device=device,
-                              worker_options={**budgets, "max_queue": clients})  # fmt: skip
+            app = build_fleet(
+                str(models),
+                replicas=count,
+                device=device,
+                worker_options={**budgets, "max_queue": clients},
+            )
             serve.run(app, name=f"fleet{count}", route_prefix="/")
             res = _drive(url, _stream(n), clients, size, steps)
             serve.delete(f"fleet{count}")
@@ -389,8 +410,14 @@ def run_serve_bench(
     work = work or ("/tmp/nostall-bench/serve" if size == "full" else None)
     work = work or tempfile.mkdtemp(prefix="nostall-serve-")
     os.makedirs(work, exist_ok=True)
-    config = {"size": size, "models": models, "clients": clients, "requests": requests,
-              "res": res_px, "steps": steps}  # fmt: skip
+    config = {
+        "size": size,
+        "models": models,
+        "clients": clients,
+        "requests": requests,
+        "res": res_px,
+        "steps": steps,
+    }
     earlier = {k: (previous or {}).get("config", {}).get(k) for k in config}
     if previous is not None and earlier != config:
         raise ArgumentError(
@@ -427,8 +454,19 @@ def run_serve_bench(
             report["store"] = serve_full.write_full_store(models, device, log)
         else:
             write_store(models, PIPELINES)
-    run = serve_full.Run(str(models), device, clients, requests, res_px, steps, work,
-                         _stream(requests), _drive, log, batch)  # fmt: skip
+    run = serve_full.Run(
+        str(models),
+        device,
+        clients,
+        requests,
+        res_px,
+        steps,
+        work,
+        _stream(requests),
+        _drive,
+        log,
+        batch,
+    )
     budgets: dict[str, Any] = {}
     steps_of = {
         "worker": lambda: _worker_part(
@@ -475,25 +513,25 @@ def _embed_run(models, device, encoder, embed_clients, texts_each, work, log) ->
 
 def evaluate_targets(report: dict) -> dict[str, dict]:
     res = report["results"]
-    t: dict[str, dict] = {}
-
-    def target(name: str, value, op: str, threshold: float) -> None:
-        met = None if value is None else (value <= threshold if op == "<=" else value >= threshold)
-        t[name] = {"value": value, "threshold": threshold, "op": op, "met": met}
+    t = Targets()
 
     w = res.get("worker", {})
-    target("worker_lost_or_mixed_up", None if not w else w["lost_or_failed"] + w["mixed_up"],
-           "<=", 0)  # fmt: skip
-    target("worker_warm_switches_from_memory_share", w.get("warm_switches_from_memory_share"),
-           ">=", 1.0)  # fmt: skip
+    t.add(
+        "worker_lost_or_mixed_up", None if not w else w["lost_or_failed"] + w["mixed_up"], "<=", 0
+    )
+    t.add(
+        "worker_warm_switches_from_memory_share",
+        w.get("warm_switches_from_memory_share"),
+        ">=",
+        1.0,
+    )
     f = res.get("fleet", {})
     many = f.get(f"replicas_{report['config'].get('replicas')}", {})
-    target("fleet_warm_on_holding_worker_share", many.get("warm_on_holding_worker_share"),
-           ">=", 0.9)  # fmt: skip
-    target("fleet_throughput_vs_one", f.get("throughput_vs_one"), ">=", 1.8)
+    t.add("fleet_warm_on_holding_worker_share", many.get("warm_on_holding_worker_share"), ">=", 0.9)
+    t.add("fleet_throughput_vs_one", f.get("throughput_vs_one"), ">=", 1.8)
     e = res.get("embed", {})
-    target("embed_batching_speedup", e.get("batching_speedup"), ">=", 4.0)
-    target("embed_cache_hit_ms", e.get("cache_hit_ms_p50"), "<=", 2.0)
+    t.add("embed_batching_speedup", e.get("batching_speedup"), ">=", 4.0)
+    t.add("embed_cache_hit_ms", e.get("cache_hit_ms_p50"), "<=", 2.0)
     # issue #18: the mixed stream at real size (the names say full; tiny runs fill them too).
     # Throughput, busy share and tail: the batched stream where it ran (batching is the
     # issue's scheduling item), else the default one; stream_targets_from says which.
@@ -501,24 +539,32 @@ def evaluate_targets(report: dict) -> dict[str, dict]:
     # a part that failed outright says so in its own "error" (its requests never ran)
     plain = [res[p] for p in ("stream", "stream-batched") if "requests" in res.get(p, {})]
     counts = [x.get("lost_or_mixed_up") for x in plain]
-    target("full_worker_lost_or_mixed_up",
-           sum(counts) if counts and None not in counts else None, "<=", 0)  # fmt: skip
+    t.add(
+        "full_worker_lost_or_mixed_up",
+        sum(counts) if counts and None not in counts else None,
+        "<=",
+        0,
+    )
     embeds = [res[p] for p in ("stream-embed", "stream-embed-process") if p in res]
     embeds = [x for x in embeds if "requests" in x]
     counts = [x.get("lost_or_mixed_up") for x in embeds]
-    target("full_worker_with_embed_lost_or_mixed_up",
-           sum(counts) if counts and None not in counts else None, "<=", 0)  # fmt: skip
+    t.add(
+        "full_worker_with_embed_lost_or_mixed_up",
+        sum(counts) if counts and None not in counts else None,
+        "<=",
+        0,
+    )
     s = res.get(stream_targets_from(res) or "stream", {})
     ours, theirs = s.get("throughput_per_s"), peer.get("throughput_per_s")
-    target("full_throughput_vs_diffusers_worker", ours / theirs if ours and theirs else None,
-           ">=", 4.0)  # fmt: skip
-    target("full_gpu_busy_share", s.get("gpu_busy_share"), ">=", 0.85)
-    target("full_p99_over_p50", s.get("p99_over_p50"), "<=", 3.0)
-    target("full_prefetch_inference_slowdown", res.get("prefetch", {}).get("slowdown"),
-           "<=", 0.05)  # fmt: skip
+    t.add(
+        "full_throughput_vs_diffusers_worker", ours / theirs if ours and theirs else None, ">=", 4.0
+    )
+    t.add("full_gpu_busy_share", s.get("gpu_busy_share"), ">=", 0.85)
+    t.add("full_p99_over_p50", s.get("p99_over_p50"), "<=", 3.0)
+    t.add("full_prefetch_inference_slowdown", res.get("prefetch", {}).get("slowdown"), "<=", 0.05)
     soak = res.get("soak", {})
-    target("soak_good_requests_lost", soak.get("good", {}).get("lost"), "<=", 0)
-    target("soak_memory_growth", soak.get("memory_growth"), "<=", 0.01)
+    t.add("soak_good_requests_lost", soak.get("good", {}).get("lost"), "<=", 0)
+    t.add("soak_memory_growth", soak.get("memory_growth"), "<=", 0.01)
     return t
 
 
@@ -540,24 +586,35 @@ def tables(report: dict) -> list:
 
     res = report["results"]
     batch = report["config"].get("batch", "")
-    rows = [(label, r) for label, part in (
-        ("diffusers worker (peer)", "peer"), ("worker", "stream"),
-        (f"worker, batches up to {batch}", "stream-batched"),
-        ("worker + embedding service in-process", "stream-embed"),
-        ("worker + embedding service process", "stream-embed-process"),
-    ) if "requests" in (r := res.get(part, {}))]  # fmt: skip
+    rows = [
+        (label, r)
+        for label, part in (
+            ("diffusers worker (peer)", "peer"),
+            ("worker", "stream"),
+            (f"worker, batches up to {batch}", "stream-batched"),
+            ("worker + embedding service in-process", "stream-embed"),
+            ("worker + embedding service process", "stream-embed-process"),
+        )
+        if "requests" in (r := res.get(part, {}))
+    ]
     stream = Table(title="the mixed stream, same run", title_justify="left")
     for col in ("server", "answered", "wrong images", "req/s", "p50 s", "p99 s", "GPU busy"):
         stream.add_column(col, justify="left" if col == "server" else "right")
     for label, r in rows:
         wrong = r.get("wrong_images", "") if r.get("images", {}).get("checked") else "-"
         busy = r.get("gpu_busy_share")
-        stream.add_row(label, f"{r['answered_200']}/{r['requests']}", str(wrong),
-                       f"{r['throughput_per_s']:.3f}", f"{r['latency_p50_s'] or 0:.2f}",
-                       f"{r['latency_p99_s'] or 0:.2f}",
-                       "" if busy is None else f"{busy:.1%}")  # fmt: skip
-    models = Table(title="where the worker's time went (medians per pipeline call)",
-                   title_justify="left")  # fmt: skip
+        stream.add_row(
+            label,
+            f"{r['answered_200']}/{r['requests']}",
+            str(wrong),
+            f"{r['throughput_per_s']:.3f}",
+            f"{r['latency_p50_s'] or 0:.2f}",
+            f"{r['latency_p99_s'] or 0:.2f}",
+            "" if busy is None else f"{busy:.1%}",
+        )
+    models = Table(
+        title="where the worker's time went (medians per pipeline call)", title_justify="left"
+    )
     for col in ("stream", "pipeline", "requests", "calls", "text s", "denoise s", "decode s"):
         models.add_column(col, justify="left" if col in ("stream", "pipeline") else "right")
     for label, r in rows:

@@ -52,8 +52,15 @@ __all__ = [
     "write_full_store",
 ]
 
-FULL_PARTS = ("peer", "stream", "stream-batched", "stream-embed", "stream-embed-process", "soak",
-              "prefetch")  # fmt: skip
+FULL_PARTS = (
+    "peer",
+    "stream",
+    "stream-batched",
+    "stream-embed",
+    "stream-embed-process",
+    "soak",
+    "prefetch",
+)
 PIPELINES = ("flux", "sdxl", "sd3")
 _WARM_SEED = 1_000_000  # warm-up and settling requests: seeds the stream never uses
 
@@ -82,12 +89,21 @@ class Run:
 
     @property
     def refs_meta(self) -> dict[str, Any]:
-        return {"store": os.path.abspath(self.store), "res": self.res, "steps": self.steps,
-                "stream": [list(x) for x in self.stream]}  # fmt: skip
+        return {
+            "store": os.path.abspath(self.store),
+            "res": self.res,
+            "steps": self.steps,
+            "stream": [list(x) for x in self.stream],
+        }
 
     def body(self, model: str, seed: int, prompt: str) -> dict[str, Any]:
-        body = {"model": model, "prompt": prompt, "size": f"{self.res}x{self.res}",
-                "steps": self.steps, "seed": seed}  # fmt: skip
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "size": f"{self.res}x{self.res}",
+            "steps": self.steps,
+            "seed": seed,
+        }
         if model == "flux":
             body["max_sequence_length"] = 64
         return body
@@ -153,10 +169,12 @@ def _warm_up(url: str, run: Run, names: list[str], seed: int = _WARM_SEED) -> li
     with httpx.Client(timeout=1800) as c:
         for i, name in enumerate(names):
             t = time.perf_counter()
-            r = c.post(f"{url}/v1/images/generations",
-                       json=run.body(name, seed + i, f"warm-up {name}"))  # fmt: skip
-            out.append({"model": name, "status": r.status_code,
-                        "latency_s": time.perf_counter() - t})  # fmt: skip
+            r = c.post(
+                f"{url}/v1/images/generations", json=run.body(name, seed + i, f"warm-up {name}")
+            )
+            out.append(
+                {"model": name, "status": r.status_code, "latency_s": time.perf_counter() - t}
+            )
             if r.status_code != 200:
                 out[-1]["error"] = r.text[:500]
                 run.log(f"  warm-up {name}: {r.status_code} {r.text[:200]}")
@@ -181,11 +199,16 @@ def peer_part(run: Run, mode: str = "auto") -> dict[str, Any]:
     folders = {n: os.path.join(run.store, n) for n in PIPELINES}
     need = sum(pipeline_bytes(f) for f in folders.values())
     limit = memory_limit()[0]
-    out: dict[str, Any] = {"cpu_bytes_to_hold_all": need, "memory_limit": limit,
-                           "ram_available": _meminfo().get("MemAvailable")}  # fmt: skip
+    out: dict[str, Any] = {
+        "cpu_bytes_to_hold_all": need,
+        "memory_limit": limit,
+        "ram_available": _meminfo().get("MemAvailable"),
+    }
     if mode != "from_pretrained" and limit and need > 0.85 * limit:
-        why = (f"the pipelines take {need / 1e9:.1f} GB in CPU memory and this process "
-               f"may use {limit / 1e9:.1f} GB")  # fmt: skip
+        why = (
+            f"the pipelines take {need / 1e9:.1f} GB in CPU memory and this process "
+            f"may use {limit / 1e9:.1f} GB"
+        )
         if mode == "to":
             raise ArgumentError(f"peer mode 'to': {why}; use --peer-mode from_pretrained")
         mode, out["mode_why"] = "from_pretrained", why
@@ -248,8 +271,18 @@ def _embed_process(run: Run, stack: contextlib.ExitStack) -> str:
     port = free_port()
     path = os.path.join(run.work, f"embed-server-{port}.log")
     logf = stack.enter_context(open(path, "w"))  # noqa: SIM115 (closed with the stack)
-    cmd = [sys.executable, "-m", "nostall.cli", "embed-server", "--models", run.store,
-           "--device", run.device, "--port", str(port)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "nostall.cli",
+        "embed-server",
+        "--models",
+        run.store,
+        "--device",
+        run.device,
+        "--port",
+        str(port),
+    ]
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
 
     def stop() -> None:
@@ -346,8 +379,14 @@ def stream_part(run: Run, embed: str | None = None, *, batch: int = 1) -> dict[s
             url = _embed_process(run, stack)
         if url:
             out["encoders_warmed"] = _warm_encoders(url)
-        worker = Worker(run.store, device=run.device, max_queue=run.clients, embed_url=url,
-                        schedule=Policy(batch=batch), **budget)  # fmt: skip
+        worker = Worker(
+            run.store,
+            device=run.device,
+            max_queue=run.clients,
+            embed_url=url,
+            schedule=Policy(batch=batch),
+            **budget,
+        )
         with BackgroundServer(create_app(worker)) as srv:
             names = [n for n in PIPELINES if n in worker.names()]
             out["warm_up"] = _warm_up(srv.url, run, names)
@@ -458,6 +497,7 @@ def prefetch_part(run: Run, size: str) -> dict[str, Any]:
             )
     else:
         folder, switch_size = os.path.join(run.work, "switch-tiny"), "tiny"
-    rep = run_switch_bench(folder=folder, size=switch_size, device=run.device,
-                           parts=("prefetch",), log=run.log)  # fmt: skip
+    rep = run_switch_bench(
+        folder=folder, size=switch_size, device=run.device, parts=("prefetch",), log=run.log
+    )
     return {"switch_size": switch_size, "folder": folder, **rep.get("prefetch", {})}

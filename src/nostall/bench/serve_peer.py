@@ -14,7 +14,7 @@ A switch is one of :data:`MODES`:
   ``.to(device)`` (pageable memory: the driver stages the copy). The one on the device
   goes back by pointing its parameters at the CPU tensors kept for it, which costs
   nothing: moving weights back out with ``.to("cpu")`` re-allocates them in pageable
-  memory, and that made a FLUX → SDXL switch 27 s on the H200 (docs/DESIGN.md);
+  memory, and that made a FLUX → SDXL switch 27 s on the H200 (see the design notes);
 * ``from_pretrained``: the one on the device dropped, the one asked for loaded from the
   store (the page cache, after the first time) and moved in.
 
@@ -40,6 +40,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from nostall.bench.timing import sync
 from nostall.errors import ArgumentError
 
 __all__ = ["MODES", "PeerJob", "PeerWorker", "create_peer_app", "pipeline_bytes", "probe"]
@@ -65,9 +66,11 @@ def stored_dtype(folder: str) -> torch.dtype:
 
     for role in ("transformer", "unet"):
         sub = os.path.join(folder, role)
-        files = sorted(f for f in os.listdir(sub) if f.endswith(".safetensors")) if (
-            os.path.isdir(sub)
-        ) else []  # fmt: skip
+        files = (
+            sorted(f for f in os.listdir(sub) if f.endswith(".safetensors"))
+            if (os.path.isdir(sub))
+            else []
+        )
         if files:
             with safe_open(os.path.join(sub, files[0]), framework="pt") as f:
                 key = next(iter(f.keys()))
@@ -84,11 +87,6 @@ def pipeline_bytes(folder: str) -> int:
         for f in files
         if f.endswith(".safetensors")
     )
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class PeerWorker:
@@ -149,7 +147,7 @@ class PeerWorker:
         """Make ``name`` the pipeline on the device; the seconds it took (0 if it is)."""
         if name == self.current:
             return 0.0
-        _sync(self.device)
+        sync(self.device)
         t = time.perf_counter()
         if self.mode == "to":
             if self.current is not None:
@@ -160,7 +158,7 @@ class PeerWorker:
             self.pipe = None
             gc.collect()  # the last pipeline's device memory, before the next one's
             self.pipe = self._from_pretrained(name).to(self.device)
-        _sync(self.device)
+        sync(self.device)
         self.current = name
         return time.perf_counter() - t
 
@@ -182,14 +180,18 @@ class PeerWorker:
         t = time.perf_counter()
         with torch.inference_mode():
             image = self.pipe(**kwargs).images[0]
-        _sync(self.device)
+        sync(self.device)
         run_s = time.perf_counter() - t
         buf = io.BytesIO()
         image.save(buf, format="PNG")
         self.order += 1
         end = time.perf_counter()
-        phases = {"queue": start - arrived, "switch": switch_s, "run": run_s,
-                  "total": end - arrived}  # fmt: skip
+        phases = {
+            "queue": start - arrived,
+            "switch": switch_s,
+            "run": run_s,
+            "total": end - arrived,
+        }
         return buf.getvalue(), {"order": self.order, "phases": phases}
 
     def close(self) -> None:
@@ -251,13 +253,18 @@ def probe(
         s = [peer.switch(n) for n in order]
     finally:
         peer.close()
-    out["from_pretrained"] = {"switch_s": dict(zip(order[1:], s[1:], strict=True)),
-                              "sum_s": sum(s[1:])}  # fmt: skip
+    out["from_pretrained"] = {
+        "switch_s": dict(zip(order[1:], s[1:], strict=True)),
+        "sum_s": sum(s[1:]),
+    }
     peer = PeerWorker(folders, device=device, mode="to")
     peer.load()
     s = [peer.switch(n) for n in order]
-    out["to"] = {"load_s": peer.load_s, "switch_s": dict(zip(order[1:], s[1:], strict=True)),
-                 "sum_s": sum(s[1:])}  # fmt: skip
+    out["to"] = {
+        "load_s": peer.load_s,
+        "switch_s": dict(zip(order[1:], s[1:], strict=True)),
+        "sum_s": sum(s[1:]),
+    }
     out["faster"] = min(MODES, key=lambda m: out[m]["sum_s"])
     return out, peer
 
@@ -291,8 +298,15 @@ def create_peer_app(peer: PeerWorker):
             return error(404, "unknown_model", f"no model {what!r}; {sorted(peer.folders)}")
         try:
             w, h = (int(v) for v in str(body.get("size") or "1024x1024").lower().split("x"))
-            job = PeerJob(body["model"], str(body["prompt"]), w, h, int(body.get("steps", 28)),
-                          int(body.get("seed", 0)), body.get("max_sequence_length"))  # fmt: skip
+            job = PeerJob(
+                body["model"],
+                str(body["prompt"]),
+                w,
+                h,
+                int(body.get("steps", 28)),
+                int(body.get("seed", 0)),
+                body.get("max_sequence_length"),
+            )
         except (KeyError, TypeError, ValueError) as e:
             return error(422, "invalid_value", f"{type(e).__name__}: {e}")
         loop = asyncio.get_running_loop()

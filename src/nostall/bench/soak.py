@@ -45,8 +45,13 @@ _GRACE_S = 120.0  # how long after the end a good request may still be retried
 def _bad(kind: str, models: list[str], res: int, steps: int) -> dict[str, Any]:
     """``{"json": body}`` or ``{"content": bytes}`` for a request of fault ``kind``."""
     model = "flux" if "flux" in models else models[0]
-    body: dict[str, Any] = {"model": model, "prompt": f"bad {kind}", "size": f"{res}x{res}",
-                            "steps": steps, "seed": 1}  # fmt: skip
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": f"bad {kind}",
+        "size": f"{res}x{res}",
+        "steps": steps,
+        "seed": 1,
+    }
     if kind == "steps_zero":
         body["steps"] = 0
     elif kind == "odd_size":
@@ -96,8 +101,13 @@ def run_soak(
         with lock:
             s = next(seeds)
         model = rng.choice(models)
-        body = {"model": model, "prompt": f"soak {s}", "size": f"{res}x{res}",
-                "steps": steps, "seed": s}  # fmt: skip
+        body = {
+            "model": model,
+            "prompt": f"soak {s}",
+            "size": f"{res}x{res}",
+            "steps": steps,
+            "seed": s,
+        }
         if model == "flux":
             body["max_sequence_length"] = 64
         status = None
@@ -142,8 +152,13 @@ def run_soak(
     def leave_one(rng) -> None:
         with lock:
             s = next(seeds)
-        body = {"model": rng.choice(models), "prompt": f"leaves {s}", "size": f"{res}x{res}",
-                "steps": steps, "seed": s}  # fmt: skip
+        body = {
+            "model": rng.choice(models),
+            "prompt": f"leaves {s}",
+            "size": f"{res}x{res}",
+            "steps": steps,
+            "seed": s,
+        }
         after = rng.uniform(0.05, 1.5)
         # its own connection, closed when the client gives up: the server sees it leave
         with httpx.Client(timeout=httpx.Timeout(30.0, read=after)) as c:

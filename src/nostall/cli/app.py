@@ -62,7 +62,7 @@ app.add_typer(bench_app, name="bench")
 # Wide enough for the phase tables when piped to a file or a CI log.
 console = Console(width=None if sys.stdout.isatty() else 150)
 
-BENCH_OUT = "bench-out"  # ignored by git; docs/bench/ holds the recorded results
+BENCH_OUT = "bench-out"  # ignored by git: a run writes here unless --out says otherwise
 
 # The floating dtypes a checkpoint can be cast to; the long names are accepted too.
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}

@@ -74,7 +74,7 @@ def bench_load(
     ),
     out: str = typer.Option(
         f"{BENCH_OUT}/load.json",
-        help="JSON report path (the recorded results live in docs/bench/).",
+        help="JSON report path.",
     ),
     overwrite: bool = typer.Option(
         False, "--overwrite", help="Replace an existing report at --out."
@@ -127,7 +127,7 @@ def bench_decode(
     preset: str = typer.Option("veryfast", help="libx264 preset."),
     out: str = typer.Option(
         f"{BENCH_OUT}/decode.json",
-        help="JSON report path (the recorded results live in docs/bench/).",
+        help="JSON report path.",
     ),
     figure: str = typer.Option(
         f"{BENCH_OUT}/decode-timeline-{{dtype}}.png", help="Timeline picture (CUDA runs)."
@@ -244,9 +244,10 @@ def bench_serve(
         "flux/text_encoder_2",
         help="Encoder the embed part loads; t5xxl/text_encoder_2 writes a real-size T5-XXL.",
     ),
-    texts_each: int = typer.Option(
-        8, callback=in_range(1), help="Texts per embedding client (32 clients)."
+    embed_clients: int = typer.Option(
+        32, callback=in_range(1), help="Concurrent clients of the embedding service."
     ),
+    texts_each: int = typer.Option(8, callback=in_range(1), help="Texts per embedding client."),
     soak_s: float = typer.Option(
         120.0, "--soak-s", callback=in_range(1.0), help="Seconds the soak part runs."
     ),
@@ -300,6 +301,7 @@ def bench_serve(
             steps=steps,
             replicas=replicas,
             encoder=encoder,
+            embed_clients=embed_clients,
             texts_each=texts_each,
             soak_s=soak_s,
             peer_mode=peer_mode,
@@ -330,9 +332,7 @@ def bench_fp8(
     store: str = typer.Option(
         None, help="FLUX store folder (written when absent, kept; its FP8 copy beside it)."
     ),
-    out: str = typer.Option(
-        f"{BENCH_OUT}/fp8.json", help="JSON report path (recorded results: docs/bench/)."
-    ),
+    out: str = typer.Option(f"{BENCH_OUT}/fp8.json", help="JSON report path."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing report."),
 ) -> None:
     """FP8 against bf16 on FLUX, with torchao's FP8 as the peer: bytes, loads, one 1024x1024
@@ -368,9 +368,7 @@ def bench_switch(
         "/tmp/nostall-bench/store", help="Where the random store is written."
     ),
     device: str = device_option(_DEVICE),
-    out: str = typer.Option(
-        f"{BENCH_OUT}/switch.json", help="JSON report path (recorded results live in docs/bench/)."
-    ),
+    out: str = typer.Option(f"{BENCH_OUT}/switch.json", help="JSON report path."),
     overwrite: bool = typer.Option(
         False, "--overwrite", help="Replace an existing report at --out."
     ),
@@ -439,9 +437,7 @@ def bench_adapters(
         help="Folder for the store and its LoRAs (default: full /tmp/nostall-bench/adapters, "
         "kept for the next run; tiny a temporary one).",
     ),
-    out: str = typer.Option(
-        f"{BENCH_OUT}/adapters.json", help="JSON report path (recorded results: docs/bench/)."
-    ),
+    out: str = typer.Option(f"{BENCH_OUT}/adapters.json", help="JSON report path."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing report."),
     append: bool = typer.Option(
         False,
@@ -499,9 +495,7 @@ def bench_remote(
     work: str = typer.Option(
         None, help="Folder for the bucket (kept, and reused by the next run; default temporary)."
     ),
-    out: str = typer.Option(
-        f"{BENCH_OUT}/remote.json", help="JSON report path (recorded results: docs/bench/)."
-    ),
+    out: str = typer.Option(f"{BENCH_OUT}/remote.json", help="JSON report path."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing report."),
 ) -> None:
     """A FLUX transformer from a real S3 server (rclone, loopback, with and without a

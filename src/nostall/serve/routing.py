@@ -24,7 +24,7 @@ from typing import Any
 __all__ = ["failure_status", "route_cost", "route_outcome", "slowest_tier", "worker_budgets"]
 
 # What a switch costs per byte, by the tier the bytes come from (seconds per byte).
-# H200 figures (docs/BENCHMARKS.md): host tier → GPU 54 GB/s; page cache ~34 GB/s;
+# H200 figures (the benchmarks of the switch bench): host tier → GPU 54 GB/s; page cache ~34 GB/s;
 # a cold read far less. Only their order matters much: gpu < host < disk.
 _SECONDS_PER_BYTE = {"gpu": 0.0, "device": 0.0, "host": 1 / 50e9, "disk": 1 / 5e9}
 REQUEST_S = 2.0  # the estimated time of one queued request, until measured

@@ -1,16 +1,17 @@
-"""The README's headline figures: each a block of markdown rendered from a record.
+"""The figures of the README's sections: each a block of markdown rendered from a run.
 
-The README keeps a few numbers per capability (switches, loads, video decode, decoder
-modes, FP8); each sits between ``<!-- bench:readme-… -->`` markers and is rendered here
-from the same records as docs/BENCHMARKS.md (:mod:`nostall.bench.blocks`), which holds
-every peer, the methods and the targets.
+A few numbers per capability (switches, loads, video decode, decoder modes, FP8,
+serving); each sits between ``<!-- bench:readme-… -->`` markers, in README.md or in the
+page under ``docs/`` that a section moved to, and is rendered here from the same runs as
+docs/BENCHMARKS.md (:mod:`benchdocs.blocks`), which holds every peer, the methods and the
+targets. Each names its run (the link's text is the run's file: bench, commit, day).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from nostall.bench.blocks import (
+from benchdocs.blocks import (
     DECODE,
     FP8,
     LOAD,
@@ -21,9 +22,12 @@ from nostall.bench.blocks import (
     SWITCH_B,
     peer_times,
 )
-from nostall.bench.markdown import NA, Doc, secs, table
+from benchdocs.markdown import NA, Doc, day, secs, table
+from benchdocs.runs import RUNS
 
 __all__ = ["BLOCKS"]
+
+_BENCHMARKS = "docs/BENCHMARKS.md"
 
 
 def readme_switch(doc: Doc) -> str:
@@ -58,7 +62,7 @@ def readme_switch(doc: Doc) -> str:
             "nostall `ModelCache`, host-tier hit", "nostall, new process, page cache"]  # fmt: skip
     return (
         f"Whole-pipeline switches on an {a['hardware']['gpu']}, peers in the same run, page cache "
-        "warm ([docs/BENCHMARKS.md](docs/BENCHMARKS.md#whole-pipeline-switches--nostall-bench-switch);"
+        f"warm ([docs/BENCHMARKS.md]({doc.href(_BENCHMARKS + '#whole-pipeline-switches--nostall-bench-switch')});"
         f" records {doc.link(SWITCH_A)}, new process {doc.link(SWITCH_B)}):\n\n"
         f"{table(head, rows)}\n\n"
         f"Two FLUX fine-tunes of one architecture switch in place in {min(in_place):.2f}–"
@@ -97,7 +101,7 @@ def readme_load(doc: Doc) -> str:
     return (
         f"FLUX-size transformer ({warm['checkpoint']['bytes'] / 1e9:.2f} GB bf16, one file) onto an "
         f"{warm['hardware']['gpu']}, peers in the same run as each row ([docs/BENCHMARKS.md]"
-        f"(docs/BENCHMARKS.md); records {doc.link(LOAD)}, cold {doc.link(LOAD_COLD)}):\n\n"
+        f"({doc.href(_BENCHMARKS)}); records {doc.link(LOAD)}, cold {doc.link(LOAD_COLD)}):\n\n"
         + table(["", "safetensors", "diffusers `device_map`", "nostall"], rows)
     )
 
@@ -163,13 +167,20 @@ def readme_modes(doc: Doc) -> str:
     return (
         f"Wan 2.1 VAE, {r['config']['frames']} frames at {r['config']['size'].split('x')[1]}p bf16 "
         f"on an {r['hardware']['gpu']}, eager (diffusers) {eager:.2f} s in the same run "
-        "([docs/BENCHMARKS.md](docs/BENCHMARKS.md#wan-decoder-modes-issue-9--nostall-bench-decode---part-modes);"
+        f"([docs/BENCHMARKS.md]({doc.href(_BENCHMARKS + '#wan-decoder-modes-issue-9--nostall-bench-decode---part-modes')});"
         f" record {doc.link(MODES)}):\n\n" + table(["mode", "what it is", "decode", "frames"], rows)
     )
 
 
+def _run(doc: Doc, name: str) -> str:
+    """`` ([`abc1234` 2026-12-01](…))``: an inline figure's commit and day, linked to its run."""
+    r = doc.rec(name)
+    return f" ([`{r['commit']}` {day(r)}]({doc.href(f'{RUNS}/{name}')}))"
+
+
 def readme_two_gpus(doc: Doc) -> str:
-    return f"{doc.rec(MODES)['results']['bf16']['devices']['speedup']:.2f}× one GPU"
+    speedup = doc.rec(MODES)["results"]["bf16"]["devices"]["speedup"]
+    return f"{speedup:.2f}× one GPU{_run(doc, MODES)}"
 
 
 def readme_serve(doc: Doc) -> str:
@@ -181,7 +192,7 @@ def readme_serve(doc: Doc) -> str:
         f"{batched['throughput_per_s'] / peer['throughput_per_s']:.1f}x the throughput of a "
         f"plain diffusers worker in the same run ({batched['throughput_per_s']:.2f} against "
         f"{peer['throughput_per_s']:.2f} req/s, p99 {batched['latency_p99_s']:.1f} s against "
-        f"{peer['latency_p99_s']:.1f} s)"
+        f"{peer['latency_p99_s']:.1f} s){_run(doc, SERVE)}"
     )
 
 
@@ -194,7 +205,7 @@ def readme_fp8(doc: Doc) -> str:
         f"{fwd['fp8_vs_bf16_eager']:.3f}x bf16's time eager (torchao's FP8: "
         f"{fwd['torchao']['eager_s'] / fwd['bf16_eager_s']:.2f}x) and "
         f"{comp['fp8_compiled_speedup']:.2f}x faster compiled, at torchao's accuracy "
-        f"(SQNR {fwd['sqnr_gap_to_torchao_db']:.2f} dB from it)"
+        f"(SQNR {fwd['sqnr_gap_to_torchao_db']:.2f} dB from it){_run(doc, FP8)}"
     )
 
 

@@ -1,25 +1,26 @@
-"""The generated tables of docs/BENCHMARKS.md: what each shows, and from which record.
+"""The generated tables of docs/BENCHMARKS.md: what each shows, and from which run.
 
-Each block is a function of the records (:class:`~nostall.bench.markdown.Doc`) that
-returns markdown; :mod:`nostall.bench.render` puts it between the document's
+Each block is a function of the runs and the index (:class:`~benchdocs.markdown.Doc`)
+that returns markdown; :mod:`benchdocs.render` puts it between the document's
 ``<!-- bench:NAME -->`` and ``<!-- /bench -->`` markers. Every number in a block comes
-from a record under ``docs/bench/`` (the latest of a bench is ``<bench>.json``, older
-and partial runs are under ``history/``); the words around the numbers are fixed here.
-The README's headline figures are :mod:`nostall.bench.headlines`.
+from a run under ``docs/bench/runs/``: a table of one run's figures names that run (the
+text around it discusses it); a ``*-targets`` table shows each target as it stands in
+the index, the latest measured value and its run, beside the runs the text discusses.
+The words around the numbers are fixed here. The README's blocks are
+:mod:`benchdocs.readme`, its headline table :mod:`benchdocs.headlines`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from nostall.bench.markdown import NA, Doc, num, provenance, secs, table, targets_table, when
+from benchdocs.markdown import NA, Doc, day, num, provenance, secs, table, targets_table, when
 
 __all__ = [
     "ADAPTERS",
     "BLOCKS",
     "DECODE",
     "FP8",
-    "GPU_CHECK",
     "LOAD",
     "LOAD_COLD",
     "MODES",
@@ -33,20 +34,20 @@ __all__ = [
     "span",
 ]
 
-LOAD = "load.json"
-LOAD_COLD = "history/load-cold-842f99e.json"
-DECODE = "decode.json"
-MODES = "history/decode-modes-0871722.json"
-SWITCH_A = "history/switch-e4f0342.json"
-SWITCH_B = "history/switch-lean-f40f06d.json"
-SWITCH = "switch.json"
-FP8 = "fp8.json"
-GPU_CHECK = "gpu-check.json"
-SERVE_CHECK = "serve-check.json"
-SERVE = "serve.json"
-REMOTE = "remote.json"
-SERVE_B1 = "history/serve-7d22636.json"  # the unbatched stream (its batched part failed)
-SERVE_FIRST = "history/serve-c92afe5.json"
+# The runs the text of docs/BENCHMARKS.md discusses (docs/bench/runs/).
+LOAD = "load-e58935b-2026-11-29.json"  # warm scenarios
+LOAD_COLD = "load-842f99e-2026-11-29.json"
+DECODE = "decode-e3e40ff-2026-11-29.json"  # merged from four device calls
+MODES = "decode-0871722-2026-11-30.json"  # the decoder modes (issue #9)
+SWITCH_A = "switch-e4f0342-2026-11-30.json"
+SWITCH_B = "switch-f40f06d-2026-11-30.json"  # --size full-lean
+SWITCH = "switch-caff6a3-2026-12-01.json"  # identity + FP8 issue, partial
+FP8 = "fp8-31e9f1f-2026-12-01-2.json"  # merged from its day's two runs
+SERVE_CHECK = "serve-check-c6a5e0b-2026-12-02.json"
+SERVE = "serve-21a8645-2026-12-01.json"
+REMOTE = "remote-2a40321-2026-12-02.json"
+SERVE_B1 = "serve-7d22636-2026-12-01.json"  # the unbatched stream (its batched part failed)
+SERVE_FIRST = "serve-c92afe5-2026-12-01.json"
 
 _LOAD_LABELS = {
     "safetensors load_file": 'safetensors `load_file(device="cuda")`',
@@ -120,9 +121,10 @@ def load_cold(doc: Doc) -> str:
 
 def load_targets(doc: Doc) -> str:
     heads = [
-        f"{what} run `{doc.rec(n)['commit']}`" for what, n in (("warm", LOAD), ("cold", LOAD_COLD))
+        f"{what} run `{doc.rec(n)['commit']}` {day(doc.rec(n))}"
+        for what, n in (("warm", LOAD), ("cold", LOAD_COLD))
     ]
-    return targets_table(doc, [LOAD, LOAD_COLD], heads)
+    return targets_table(doc, "load", [LOAD, LOAD_COLD], heads)
 
 
 _DECODE_MODES = {
@@ -164,11 +166,14 @@ def decode_b2b(doc: Doc) -> str:
         )  # fmt: skip
     head = ["dtype", "decode-only", "`decode_to_file` one at a time",
             "`submit_decode` (flush overlaps next decode)"]  # fmt: skip
-    return table(head, rows)
+    r = doc.rec(DECODE)
+    part = next((x for x in r.get("runs", []) if "back-to-back" in x["parts"]), r)
+    caption = f"Back to back: {when(part)}, commit `{part['commit']}`, in {doc.link(DECODE)}."
+    return f"{caption}\n\n{table(head, rows)}"
 
 
 def decode_targets(doc: Doc) -> str:
-    return targets_table(doc, [DECODE], ["measured"])
+    return targets_table(doc, "decode", [DECODE], columns=False)
 
 
 def _frames_vs_eager(m: dict) -> str:
@@ -214,7 +219,7 @@ def decode_modes(doc: Doc) -> str:
 
 
 def decode_modes_targets(doc: Doc) -> str:
-    return targets_table(doc, [MODES], ["measured"])
+    return targets_table(doc, "decode", [MODES], columns=False)
 
 
 def peer_times(rows: list[dict], pipeline: str) -> list[float]:
@@ -337,12 +342,16 @@ def switch(doc: Doc) -> str:
             (SWITCH_B, "flux", "FLUX, run B"), (SWITCH_B, "sdxl", "SDXL, run B")]  # fmt: skip
     rows = [[label, *(fn(doc.rec(n), p) for n, p, _ in cols)] for label, fn in _SWITCH_ROWS]
     rows = [r for r in rows if any(c != NA for c in r[1:])]
-    return table(["method (same run)", *(h for _, _, h in cols)], rows)
+    heads = [f"{h} (`{doc.rec(n)['commit']}` {day(doc.rec(n))})" for n, _, h in cols]
+    return table(["method (same run)", *heads], rows)
 
 
 def switch_targets(doc: Doc) -> str:
-    heads = [f"run {x} `{doc.rec(n)['commit']}`" for x, n in (("A", SWITCH_A), ("B", SWITCH_B))]
-    return targets_table(doc, [SWITCH_A, SWITCH_B], heads)
+    heads = [
+        f"run {x} `{doc.rec(n)['commit']}` {day(doc.rec(n))}"
+        for x, n in (("A", SWITCH_A), ("B", SWITCH_B))
+    ]
+    return targets_table(doc, "switch", [SWITCH_A, SWITCH_B], heads)
 
 
 def switch_identity(doc: Doc) -> str:
@@ -368,7 +377,7 @@ def switch_identity(doc: Doc) -> str:
 
 
 def switch_identity_targets(doc: Doc) -> str:
-    return targets_table(doc, [SWITCH])
+    return targets_table(doc, "switch", [SWITCH])
 
 
 def fp8(doc: Doc) -> str:
@@ -405,7 +414,8 @@ def fp8(doc: Doc) -> str:
          f"{e2e['fp8']['total_s'] / e2e['bf16']['total_s']:.3f} ({e2e['fp8_speedup']:.3f}x)", ""],
     ]  # fmt: skip
     parts = "; ".join(
-        f"{doc.link(m['file'])} at `{m['commit']}` ({when(m)}: {', '.join(m['parts'])})"
+        f"{doc.link(doc.run_at(m['commit'], m['date'], besides=FP8))} ({when(m)}: "
+        f"{', '.join(m['parts'])})"
         for m in r.get("merged_from", [])
     )
     head = ["figure", "bf16", "nostall FP8", "FP8 / bf16", "torchao per-row (peer)"]
@@ -413,16 +423,12 @@ def fp8(doc: Doc) -> str:
 
 
 def fp8_targets(doc: Doc) -> str:
-    return targets_table(doc, [FP8], ["measured"])
+    return targets_table(doc, "fp8", [FP8], columns=False)
 
 
 def gpu_checks(doc: Doc) -> str:
-    older = sorted(
-        (n for n in doc.records if n.startswith("history/gpu-check-")),
-        key=lambda n: doc.records[n]["date"],
-        reverse=True,
-    )
-    names = [GPU_CHECK, *older]
+    # every GPU check, newest first (the runs are oldest first)
+    names = [n for n in reversed(list(doc.runs)) if n.startswith("gpu-check-")]
     rows = []
     for n in names:
         r = doc.rec(n)
@@ -496,7 +502,7 @@ def serve_streams(doc: Doc) -> str:
                 continue
             tput, busy = s["throughput_per_s"], s.get("gpu_busy_share")
             wrong = s.get("wrong_images") if s.get("images", {}).get("checked") else None
-            rows.append([f"`{r['commit']}`", label.format(batch=batch),
+            rows.append([f"`{r['commit']}` {day(r)}", label.format(batch=batch),
                          f"{s['answered_200']}/{s['requests']}", num(wrong),
                          f"{tput:.3f}", f"{tput / peer:.2f}×" if peer else NA,
                          secs(s.get("latency_p50_s"), 1), secs(s.get("latency_p99_s"), 1),
@@ -516,7 +522,7 @@ def serve_by_model(doc: Doc) -> str:
             for model, m in r["results"].get(part, {}).get("by_model", {}).items():
                 med = m["median_s"]
                 per = max(1.0, m["requests"] / m["calls"])
-                rows.append([f"`{r['commit']}`", label.format(batch=r["config"].get("batch")),
+                rows.append([f"`{r['commit']}` {day(r)}", label.format(batch=r["config"].get("batch")),
                              model, f"{m['requests']} / {m['calls']}",
                              *(secs(med.get(k), 3) for k in ("text", "denoise", "decode")),
                              secs(med.get("denoise", 0.0) / per, 3)])  # fmt: skip
@@ -526,23 +532,23 @@ def serve_by_model(doc: Doc) -> str:
 
 
 def serve_targets(doc: Doc) -> str:
-    return targets_table(doc, [SERVE, SERVE_B1, SERVE_FIRST])
+    return targets_table(doc, "serve", [SERVE, SERVE_B1, SERVE_FIRST])
 
 
-ADAPTERS = "adapters.json"
+ADAPTERS = "adapters-8baf3fd-2026-12-02.json"
 # every GPU run of the LoRA switch, oldest first, and what its commit changed
 ADAPTER_RUNS = (
-    ("history/adapters-460f467.json", "addmm per weight from the kept base copy"),
-    ("history/adapters-da0bee6.json", "one Triton kernel per weight (one pass)"),
-    ("history/adapters-0a84e35.json", "one grouped launch per factor chunk"),
+    ("adapters-460f467-2026-12-01.json", "addmm per weight from the kept base copy"),
+    ("adapters-da0bee6-2026-12-01.json", "one Triton kernel per weight (one pass)"),
+    ("adapters-0a84e35-2026-12-01.json", "one grouped launch per factor chunk"),
     # cut by the call's time limit after the switches were timed: they are in its .log only
-    ("history/adapters-87e2c4b.json", "launches as the chunks land, while the walk goes on"),
+    ("adapters-87e2c4b-2026-12-01.json", "launches as the chunks land, while the walk goes on"),
     (ADAPTERS, "a fuse's launches replayed as a plan (no walk over the weights)"),
 )
 
 
 def adapters(doc: Doc) -> str:
-    """LoRAs per rank in the latest record: diffusers + PEFT beside nostall, same run."""
+    """LoRAs per rank in the run the text discusses: diffusers + PEFT beside nostall."""
     r = doc.rec(ADAPTERS)
     peer, ours = r.get("peer", {}).get("ranks", {}), r.get("nostall", {}).get("switch", {})
     rows = []
@@ -593,7 +599,7 @@ def adapters_runs(doc: Doc) -> str:
         ours = r.get("nostall", {}).get("switch", {})
         hot = r.get("peer", {}).get("ranks", {}).get("64", {}).get("hotswap_s")
         r64 = ours.get("64", {}).get("switch_s")
-        rows.append([f"`{r['commit']}`", change,
+        rows.append([f"`{r['commit']}` {day(r)}", change,
                      *(secs(ours.get(k, {}).get("switch_s"), 4) for k in ("16", "64", "128")),
                      secs(ours.get("64", {}).get("to_base_s"), 4), secs(hot, 4),
                      f"{hot / r64:.1f}×" if hot and r64 else NA])  # fmt: skip
@@ -603,7 +609,7 @@ def adapters_runs(doc: Doc) -> str:
 
 
 def adapters_targets(doc: Doc) -> str:
-    return targets_table(doc, [ADAPTERS, *(n for n, _ in ADAPTER_RUNS[:-1][::-1])])
+    return targets_table(doc, "adapters", [ADAPTERS, *(n for n, _ in ADAPTER_RUNS[:-1][::-1])])
 
 
 def remote(doc: Doc) -> str:
@@ -649,7 +655,7 @@ def remote(doc: Doc) -> str:
 
 
 def remote_targets(doc: Doc) -> str:
-    return targets_table(doc, [REMOTE], ["measured"])
+    return targets_table(doc, "remote", [REMOTE], columns=False)
 
 
 BLOCKS: dict[str, Callable[[Doc], str]] = {
