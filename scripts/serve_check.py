@@ -25,7 +25,6 @@ import glob
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,39 +32,19 @@ import time
 
 import httpx
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from nostall.errors import ServeError
+from nostall.serve.local import start_serve
 
 # What the checks ask for at each size: (image side, grace s, GPU GB, host GB, smaller host GB)
 SIZES = {"full": (1024, 20.0, "20", "16", "8"), "tiny": (256, 10.0, "0.2", "0.2", "0.1")}
 
 
 def _start(store: str, device: str, *args: str, log: str) -> tuple[subprocess.Popen, str]:
-    port = _port()
     out = open(log, "w")  # noqa: SIM115 (the process writes it until it ends)
-    command = [sys.executable, "-m", "nostall.cli", "serve", "--models", store, "--device"]
-    proc = subprocess.Popen(
-        [*command, device, "--port", str(port), *args],
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"worker did not start; see {log}")
-        time.sleep(0.5)
+    try:
+        return start_serve(store, *args, device=device, output=out, timeout=600)
+    except ServeError as e:
+        raise SystemExit(f"worker did not start; {e}") from None
 
 
 def _image(url: str, body: dict) -> httpx.Response:

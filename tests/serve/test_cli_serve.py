@@ -3,7 +3,6 @@ grace period; hostile images and idle connections; options checked before it loa
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -13,48 +12,12 @@ import time
 import httpx
 import pytest
 
-from nostall.serve.local import free_port as _free_port
+from nostall.serve.local import start_serve
 
 
 def _start(store, *args: str) -> tuple[subprocess.Popen, str]:
     """``nostall serve`` over the tiny store on a free port, once it is ready."""
-    port = _free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "nostall.cli",
-            "serve",
-            "--models",
-            str(store),
-            "--device",
-            "cpu",
-            "--port",
-            str(port),
-            "--gpu-budget-gb",
-            "0.1",
-            "--host-budget-gb",
-            "0.1",
-            *args,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise AssertionError(f"the worker did not become ready:\n{proc.communicate()[0]}")
-        time.sleep(0.2)
+    return start_serve(store, "--gpu-budget-gb", "0.1", "--host-budget-gb", "0.1", *args)
 
 
 def _stop(proc: subprocess.Popen) -> str:
@@ -88,8 +51,12 @@ GRACE = 6  # seconds
 def worker_process(store, controlnets):
     """One ``nostall serve`` for the tests of a running worker; the last ends it with
     SIGTERM. Its log must then hold no traceback."""
+    # --no-prepare and one small image instead: what the tests below run is then built
+    # and read (the other pipelines are not: 10 s less to wait for on two cores)
     options = ("--grace-s", str(GRACE), "--max-overtaken", "0", "--max-connections", "16")
-    proc, url = _start(store, *options)
+    proc, url = _start(store, *options, "--no-prepare")
+    warm = httpx.post(f"{url}/v1/images/generations", json=_flux(1, 0, 32), timeout=120)
+    assert warm.status_code == 200, warm.text
     yield proc, url
     out = _stop(proc)
     assert "Traceback" not in out and "DecompressionBomb" not in out, out
@@ -108,6 +75,7 @@ def bomb() -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+@pytest.mark.slow
 def test_control_image_bombs_are_422_and_the_probes_answered_meanwhile(worker_process, bomb):
     import threading
 
@@ -153,6 +121,7 @@ def test_control_image_bombs_are_422_and_the_probes_answered_meanwhile(worker_pr
     assert proc.poll() is None  # (its log is read when it stops: no traceback there)
 
 
+@pytest.mark.slow
 def test_sigterm_drains_within_the_grace_period_and_loses_no_finished_job(worker_process):
     # (this test ends the module's worker: it comes after the others that use it)
     import threading
@@ -312,6 +281,7 @@ def test_an_empty_token_in_the_environment_is_refused_at_start(store, command):
     assert "an empty one would turn authentication off" in _plain(r.output), r.output
 
 
+@pytest.mark.slow
 def test_the_fleet_stops_quietly_on_sigterm():
     # What `nostall fleet` runs under once Ray is up (the whole fleet on Ray takes half a
     # minute to start here; the context's behaviour is the same): one line per step, the

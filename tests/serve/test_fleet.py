@@ -1,156 +1,174 @@
-"""The fleet on a local Ray instance with two CPU workers and the embedding service: a
-second request for a model lands on the worker that loaded it; an unseen model goes to
-the other, idle one; prompts are encoded by the service."""
+"""The fleet's router over two CPU workers and the embedding service, all in this process
+(:class:`~nostall.serve.fleet_router.LocalHandle` stands in for Ray's handles): a second
+request for a model lands on the worker that loaded it; an unseen model goes to the
+other, idle one; prompts are encoded by the service; a request's own fault marks no
+worker down; a worker that fails as a transport does is left out and the request retried.
+On Ray Serve itself: test_fleet_ray.py."""
 
 from __future__ import annotations
 
 import io
+import itertools
 import os
 
 import httpx
 import pytest
 
-from nostall.serve.local import free_port as _free_port
+from nostall.serve.local import BackgroundServer
 
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
-
-
-SHARED = f"fleet-test-{os.getpid()}"  # the workers' one host tier (as `nostall fleet` runs)
+_FLEETS = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def shm(tmp_path_factory):
-    """The folder of the workers' shared host tier (not the machine's /dev/shm)."""
-    from nostall.memory import SharedPool
+@pytest.fixture
+def fleet(store, controlnets, tmp_path, monkeypatch):
+    """``fleet()``: the router's URL over two fresh workers sharing one host tier (in
+    ``tmp_path``, not the machine's /dev/shm) and an embedding service of their own; the
+    workers, the service and the router's state are ``url.workers``, ``url.service``,
+    ``url.router``."""
+    from nostall.cache import Store
+    from nostall.serve.config import WorkerConfig
+    from nostall.serve.embed import EmbeddingService, create_embed_app
+    from nostall.serve.fleet_router import FleetRouter, LocalHandle, pipeline_bytes
+    from nostall.serve.fleet_routes import fleet_app
+    from nostall.serve.fleet_worker import FleetMember
+    from nostall.serve.worker import Worker
 
-    folder = tmp_path_factory.mktemp("shm")
-    yield folder
-    SharedPool.destroy(SHARED, root=folder, force=True)
+    monkeypatch.setenv("NOSTALL_SHM_DIR", str(tmp_path))
+    made: list = []
+
+    def make(**overrides):
+        service = EmbeddingService(store, device="cpu")
+        embed = BackgroundServer(create_embed_app(service)).__enter__()
+        made.append(embed)
+        config = WorkerConfig.from_kwargs(
+            device="cpu",
+            gpu_budget=8 << 20,
+            host_budget=64 << 20,
+            prepare=False,
+            embed_url=embed.url,
+            host_tier=f"shared:fleet-{os.getpid()}-{next(_FLEETS)}",
+            **overrides,
+        )
+        workers = [Worker(store, config=config).start() for _ in range(2)]
+        members = [FleetMember(i, w, actor=f"worker-{i}") for i, w in enumerate(workers)]
+        nbytes = pipeline_bytes(Store.shared(store))
+        router = FleetRouter(nbytes, [LocalHandle(m) for m in members])
+        app = fleet_app(limits=config.limits)
+        app.state.fleet = router
+        server = BackgroundServer(app).__enter__()
+        made.append(server)
+        made.extend(workers)
+        return _Fleet(server.url, workers, service, router, config.cache.host_tier)
+
+    yield make
+    for thing in reversed(made):
+        if hasattr(thing, "shutdown"):
+            thing.shutdown()
+        else:
+            thing.__exit__(None, None, None)
 
 
-@pytest.fixture(scope="module")
-def fleet_url(store, shm, controlnets):  # (the ControlNet there before the workers scan)
-    from nostall.serve.fleet import build_embed, build_fleet
-
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        object_store_memory=128 << 20,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "NOSTALL_SHM_DIR": str(shm)}},
-    )
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    # the embedding service as the second application; the workers encode there
-    embed = build_embed(str(store), device="cpu")
-    app = build_fleet(
-        str(store),
-        replicas=2,
-        device="cpu",
-        worker_options={
-            "gpu_budget": 8 << 20,
-            "host_budget": 64 << 20,
-            "prepare": False,
-            "embed_url": f"http://127.0.0.1:{port}/embed",
-            "host_tier": f"shared:{SHARED}",
-        },
-    )
-    if hasattr(serve, "run_many"):
-        # Both applications' replicas start together (36 s -> 24 s on a 2-core machine);
-        # the workers need the service only once they encode a prompt.
-        serve.run_many([serve.RunTarget(embed, name="embed", route_prefix="/embed"),
-                        serve.RunTarget(app, name="nostall", route_prefix="/")])  # fmt: skip
-    else:
-        serve.run(embed, name="embed", route_prefix="/embed")
-        serve.run(app, name="nostall", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+class _Fleet(str):
+    def __new__(cls, url, workers, service, router, tier):
+        self = super().__new__(cls, url)
+        self.workers, self.service, self.router, self.tier = workers, service, router, tier
+        return self
 
 
-def _post(url, model):
-    body = {"model": model, "prompt": "a cat", "size": "32x32", "steps": 2, "seed": 1}
+def _post(url, model, **kw):
+    body = {"model": model, "prompt": "a cat", "size": "32x32", "steps": 2, "seed": 1, **kw}
     if model == "flux":
-        body["max_sequence_length"] = 16
+        body.setdefault("max_sequence_length", 16)
     r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=300)
     assert r.status_code == 200, r.text
     return r
 
 
-def test_requests_go_where_the_model_is(fleet_url):
-    first = _post(fleet_url, "flux")
+def test_requests_go_where_the_model_is(fleet):
+    url = fleet()
+    first = _post(url, "flux")
     w = int(first.headers["x-nostall-worker"])
     assert first.headers["x-nostall-routed-tier"] == "disk"
-    other = _post(fleet_url, "sdxl")  # unseen: the idle worker, at once
+    other = _post(url, "sdxl")  # unseen: the idle worker, at once
     assert int(other.headers["x-nostall-worker"]) == 1 - w
-    again = _post(fleet_url, "flux")
+    again = _post(url, "flux")
     assert int(again.headers["x-nostall-worker"]) == w
     assert again.headers["x-nostall-routed-tier"] in ("gpu", "device")
-    again_b = _post(fleet_url, "sdxl")
+    again_b = _post(url, "sdxl")
     assert int(again_b.headers["x-nostall-worker"]) == 1 - w
-    state = httpx.get(f"{fleet_url}/fleet").json()
+    state = httpx.get(f"{url}/fleet").json()
     assert [r["worker"] for r in state["routed"]] == [w, 1 - w, w, 1 - w]
     # the prompts were encoded by the embedding service: no text encoder was switched in
     for r in (first, other, again, again_b):
         roles = {c["role"] for c in r.json()["nostall"]["switch"]["components"]}
         assert not any(role.startswith("text_encoder") for role in roles), roles
-    stats = httpx.get(f"{fleet_url}/embed/stats").json()
+    stats = url.service.stats()
     assert stats["texts_encoded"] == 4  # CLIP + T5 for flux, CLIP-L + CLIP-G for sdxl, once
     assert stats["cache"]["hits"] == 4  # the second flux and sdxl prompts
 
 
-def test_the_workers_keep_one_copy_of_each_component_in_the_hosts_tier(fleet_url, shm):
+def test_the_workers_keep_one_copy_of_each_component_in_the_hosts_tier(fleet, tmp_path):
     from nostall.memory import SharedPool
 
+    url = fleet()
     for model in ("flux", "sdxl"):
-        _post(fleet_url, model)
-    workers = {r["worker"] for r in httpx.get(f"{fleet_url}/fleet").json()["routed"]}
+        _post(url, model)
+    workers = {r["worker"] for r in httpx.get(f"{url}/fleet").json()["routed"]}
     assert workers == {0, 1}  # both served, each read its model once...
-    with SharedPool(SHARED, 64 << 20, root=shm) as tier:
+    with SharedPool(url.tier.removeprefix("shared:"), 64 << 20, root=tmp_path) as tier:
         keys = tier.cached_keys()
     # ... into the one tier: flux's transformer and VAE, sdxl's UNet and VAE, once each
     assert len(keys) == len(set(keys)) == 4, keys
 
 
-def test_the_fleet_answers_bad_requests_clearly(fleet_url):
-    r = httpx.post(f"{fleet_url}/v1/images/generations", json={"model": "nope", "prompt": "x"})
+def test_the_fleet_answers_bad_requests_clearly(fleet):
+    url = fleet()
+    r = httpx.post(f"{url}/v1/images/generations", json={"model": "nope", "prompt": "x"})
     assert r.status_code == 404 and "flux" in r.json()["error"]["models"]
-    r = httpx.post(f"{fleet_url}/v1/images/generations", content=b"{oops")
+    r = httpx.post(f"{url}/v1/images/generations", content=b"{oops")
     assert r.status_code == 400
-    r = httpx.post(f"{fleet_url}/v1/images/generations", content=b'{"model": "\xff"}')
+    r = httpx.post(f"{url}/v1/images/generations", content=b'{"model": "\xff"}')
     assert r.status_code == 400 and r.json()["error"]["type"] == "malformed_json"  # not UTF-8
-    r = httpx.post(f"{fleet_url}/v1/images/generations", json={"model": "sdxl"})
+    r = httpx.post(f"{url}/v1/images/generations", json={"model": "sdxl"})
     assert r.status_code == 422 and r.json()["error"]["field"] == "prompt"  # the worker's shape
-    r = httpx.post(f"{fleet_url}/v1/images/generations",
-                   json={"model": "sdxl", "prompt": "x", "steps": 0}, timeout=120)  # fmt: skip
+    r = httpx.post(
+        f"{url}/v1/images/generations",
+        json={"model": "sdxl", "prompt": "x", "steps": 0},
+        timeout=120,
+    )
     assert r.status_code == 422 and "steps" in r.json()["error"]["message"]
+    r = httpx.post(
+        f"{url}/v1/images/generations", json={"model": "sdxl", "prompt": "x", "n": 2}, timeout=120
+    )
+    assert r.status_code == 422 and r.json()["error"]["field"] == "n"
+    workers = httpx.get(f"{url}/fleet").json()["workers"]
+    assert [w["down"] for w in workers] == [False, False]
 
 
-def test_a_request_the_pipeline_rejects_is_a_4xx_and_marks_no_worker_down(fleet_url):
+def test_a_request_the_pipeline_rejects_is_a_4xx_and_marks_no_worker_down(fleet):
+    url = fleet()
     # the tiny SD3 takes at most 192 px a side (pos_embed_max_size 96, patch 1, VAE x2):
     # refused before queueing, or by the pipeline as it runs; either way the client's fault
     body = {"model": "sd3", "prompt": "a cat", "size": "256x256", "steps": 2, "seed": 1}
-    r = httpx.post(f"{fleet_url}/v1/images/generations", json=body, timeout=300)
+    r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=300)
     assert r.status_code == 422, r.text
     assert r.json()["error"]["type"] in ("invalid_value", "rejected_by_pipeline")
-    workers = httpx.get(f"{fleet_url}/fleet").json()["workers"]
+    workers = httpx.get(f"{url}/fleet").json()["workers"]
     assert [w["down"] for w in workers] == [False, False]
-    assert _post(fleet_url, "sd3").status_code == 200  # and the fleet serves on
+    assert _post(url, "sd3").status_code == 200  # and the fleet serves on
 
 
-def test_the_fleet_answers_the_workers_routes(fleet_url, store):
-    import io
-
+def test_the_fleet_answers_the_workers_routes(fleet, store):
     import av
     import torch
     from diffusers import AutoencoderKLWan
     from safetensors.torch import save
 
+    url = fleet()
     vae = AutoencoderKLWan.from_pretrained(str(store / "wan" / "vae"))
     z = torch.randn(1, vae.config.z_dim, 3, 4, 4, generator=torch.Generator().manual_seed(0))
     r = httpx.post(
-        f"{fleet_url}/v1/videos/decode",
+        f"{url}/v1/videos/decode",
         params={"model": "wan", "fps": 8},
         content=save({"latents": z}),
         timeout=300,
@@ -161,70 +179,60 @@ def test_the_fleet_answers_the_workers_routes(fleet_url, store):
     with av.open(io.BytesIO(r.content)) as f:
         assert sum(1 for _ in f.decode(video=0)) == 9
     bad = httpx.post(
-        f"{fleet_url}/v1/videos/decode",
+        f"{url}/v1/videos/decode",
         params={"model": "wan"},
         content=save({"latents": torch.cat([z, z])}),
         timeout=120,
     )
     assert bad.status_code == 422 and bad.json()["error"]["field"] == "latents"
-    assert (
-        httpx.post(
-            f"{fleet_url}/v1/videos/decode",
-            params={"model": "wan"},
-            content=b"not safetensors",
-            timeout=120,
-        ).status_code
-        == 400
+    garbage = httpx.post(
+        f"{url}/v1/videos/decode", params={"model": "wan"}, content=b"not safetensors", timeout=120
     )
-    assert httpx.get(f"{fleet_url}/readyz").json()["ready"]
-    page = httpx.get(f"{fleet_url}/")
+    assert garbage.status_code == 400
+    assert httpx.get(f"{url}/readyz").json()["ready"]
+    assert httpx.get(f"{url}/healthz").json() == {"status": "ok"}
+    assert {m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]} >= {"flux", "wan"}
+    page = httpx.get(f"{url}/")
     assert page.status_code == 200 and "nostall fleet" in page.text and "worker" in page.text
-    assert httpx.get(f"{fleet_url}/status.json").json()["workers"]
-    metrics = httpx.get(f"{fleet_url}/metrics").text
+    assert httpx.get(f"{url}/status.json").json()["workers"]
+    metrics = httpx.get(f"{url}/metrics").text
     assert 'nostall_fleet_requests_total{endpoint="videos",status="200"}' in metrics
     assert 'nostall_fleet_worker_up{worker="0"} 1.0' in metrics
-    workers = httpx.get(f"{fleet_url}/fleet").json()["workers"]
+    workers = httpx.get(f"{url}/fleet").json()["workers"]
     assert [w["down"] for w in workers] == [False, False]  # the 4xx marked nobody down
 
 
-def test_control_image_bombs_are_422_and_take_no_worker_down(fleet_url, controlnets):
+def test_control_image_bombs_are_422_and_take_no_worker_down(fleet):
     import base64
 
     from PIL import Image
 
+    url = fleet()
     buf = io.BytesIO()
     Image.new("L", (9000, 9000)).save(buf, "PNG")
     control = {"name": "edges", "image": base64.b64encode(buf.getvalue()).decode()}
     body = {"model": "sdxl", "prompt": "x", "size": "32x32", "steps": 2, "controlnet": control}
     for _ in range(3):  # three took both workers down
-        r = httpx.post(f"{fleet_url}/v1/images/generations", json=body, timeout=120)
+        r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=120)
         assert r.status_code == 422 and r.json()["error"]["field"] == "controlnet.image", r.text
-    workers = httpx.get(f"{fleet_url}/fleet").json()["workers"]
+    workers = httpx.get(f"{url}/fleet").json()["workers"]
     assert [w["down"] for w in workers] == [False, False]
 
 
-def test_a_worker_killed_mid_request_is_retried_on_the_other(fleet_url):
-    # Last in this module: the killed worker's replica restarts behind it.
-    import threading
-    import time
+def test_a_worker_whose_call_fails_in_transport_is_left_out_and_the_request_retried(fleet):
+    url = fleet()
+    holder = int(_post(url, "flux").headers["x-nostall-worker"])
+    handle = url.router.workers[holder]
 
-    holder = int(_post(fleet_url, "flux").headers["x-nostall-worker"])
-    result = {}
+    class Gone:  # what a dead replica's handle does: the call itself fails
+        def __getattr__(self, name):
+            return handle.__getattr__(name) if name != "generate" else self
 
-    def slow():
-        body = {"model": "flux", "prompt": "a slow cat", "size": "256x256", "steps": 40,
-                "seed": 5, "max_sequence_length": 16}  # fmt: skip
-        result["r"] = httpx.post(f"{fleet_url}/v1/images/generations", json=body, timeout=600)
+        def remote(self, *args):
+            raise ConnectionError("the replica died")
 
-    t = threading.Thread(target=slow)
-    t.start()
-    deadline = time.monotonic() + 60
-    while (state := httpx.get(f"{fleet_url}/fleet").json())["workers"][holder]["in_flight"] < 1:
-        assert time.monotonic() < deadline, "the slow request never reached the flux worker"
-        time.sleep(0.05)  # polling the router, not waiting for time to pass
-    name = state["workers"][holder]["actor"]
-    ray.kill(ray.get_actor(name, namespace="serve"))
-    t.join(600)
-    r = result["r"]
-    assert r.status_code == 200, r.text
+    url.router.workers[holder] = Gone()
+    r = _post(url, "flux", prompt="a slow cat")
     assert int(r.headers["x-nostall-worker"]) == 1 - holder  # served by the other worker
+    workers = httpx.get(f"{url}/fleet").json()["workers"]
+    assert workers[holder]["down"] and not workers[1 - holder]["down"]

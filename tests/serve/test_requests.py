@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from nostall.errors import ArgumentError
+from nostall.serve.bodies import ControlRef, ImageBody, parse
 from nostall.serve.requests import (
     ImageRules,
     Limits,
@@ -21,6 +22,11 @@ from nostall.serve.requests import (
 )
 
 _VAE_8 = {"block_out_channels": [128, 256, 512, 512]}  # 3 halvings: scale 8
+
+
+def _image(body: dict, rules, limits=None) -> dict:
+    """``check_image`` of ``body`` (a JSON body less its model), typed as a server types it."""
+    return check_image(parse(ImageBody, {"model": rules.model, **body}), rules, limits or Limits())
 
 
 def _component(tmp_path, role, cls, config=None, max_length=None):
@@ -102,10 +108,10 @@ def test_the_largest_side_accepted_is_the_largest_diffusers_runs(store):
 
     rules = RuleBook(Store.shared(store), Limits()).image("sd3")
     top, over = rules.max_side, rules.max_side + rules.multiple
-    ok = check_image({"prompt": "a cat", "size": f"16x{top}"}, rules, Limits())
+    ok = _image({"prompt": "a cat", "size": f"16x{top}"}, rules)
     assert ok["height"] == top
     with pytest.raises(ArgumentError) as e:
-        check_image({"prompt": "a cat", "size": f"16x{over}"}, rules, Limits())
+        _image({"prompt": "a cat", "size": f"16x{over}"}, rules)
     assert e.value.field == "size" and e.value.allowed["max"] == top
     pipe = DiffusionPipeline.from_pretrained(str(store / "sd3"))
     pipe.set_progress_bar_config(disable=True)
@@ -125,49 +131,65 @@ _SDXL = ImageRules("sdxl", "StableDiffusionXLPipeline", multiple=8, min_side=16,
     [
         (_FLUX, {"size": "1000x1024"}, "size", "multiple of 16"),
         (_FLUX, {"size": "4096x1024"}, "size", "in [16, 2048]"),
-        (_FLUX, {"size": 1024}, "size", "WIDTHxHEIGHT"),
-        (_FLUX, {"steps": "28"}, "steps", "integer (not str)"),
-        (_FLUX, {"steps": 28.0}, "steps", "integer (not float)"),
-        (_FLUX, {"steps": True}, "steps", "integer (not bool)"),
+        (_FLUX, {"size": "big"}, "size", "WIDTHxHEIGHT"),
         (_FLUX, {"steps": 0}, "steps", "[1, 150]"),
         (_FLUX, {"max_sequence_length": 600}, "max_sequence_length", "[1, 512]"),
-        (_FLUX, {"max_sequence_length": "77"}, "max_sequence_length", "not str"),
-        (_FLUX, {"max_sequence_length": 77.9}, "max_sequence_length", "not float"),
         (_SDXL, {"max_sequence_length": 77}, "max_sequence_length", "takes no"),
         (_FLUX, {"seed": -1}, "seed", "seed=-1"),
-        (_FLUX, {"seed": False}, "seed", "not bool"),
-        (_FLUX, {"guidance": "7"}, "guidance", "a number"),
         (_FLUX, {"guidance": float("nan")}, "guidance", "[0, 50.0]"),
         (_FLUX, {"prompt": "  "}, "prompt", "give 1 to 4000"),
-        (_FLUX, {"prompt": 5}, "prompt", "a string"),
-        (_FLUX, {"negative_prompt": ["a"]}, "negative_prompt", "a string"),
+        (_FLUX, {"n": 2}, "n", "only 1"),
     ],
 )
 def test_each_refusal_names_the_field_and_what_it_allows(rules, body, field, says):
     with pytest.raises(ArgumentError) as e:
-        check_image({"prompt": "a cat", **body}, rules, Limits())
+        _image({"prompt": "a cat", **body}, rules)
     assert e.value.field == field and says in str(e.value), str(e.value)
     if field in ("size", "steps"):
         assert e.value.allowed and "max" in e.value.allowed
 
 
+@pytest.mark.parametrize(
+    "body, field, says",
+    [
+        ({"size": 1024}, "size", "valid string (got 1024)"),
+        ({"steps": "28"}, "steps", "valid integer (got '28')"),
+        ({"steps": 28.0}, "steps", "valid integer (got 28.0)"),
+        ({"steps": True}, "steps", "valid integer (got True)"),
+        ({"max_sequence_length": "77"}, "max_sequence_length", "valid integer"),
+        ({"max_sequence_length": 77.9}, "max_sequence_length", "valid integer"),
+        ({"seed": False}, "seed", "valid integer"),
+        ({"guidance": "7"}, "guidance", "valid number"),
+        ({"prompt": 5}, "prompt", "valid string"),
+        ({"negative_prompt": ["a"]}, "negative_prompt", "valid string"),
+        ({"loras": [{"name": "a", "weight": 1}]}, "loras.0.weight", "Extra inputs"),
+        ({"sampler": "euler"}, "sampler", "Extra inputs"),
+    ],
+)
+def test_a_body_of_the_wrong_types_is_refused_naming_the_field(body, field, says):
+    """The types are pydantic's to check, once (:mod:`nostall.serve.bodies`); a Python
+    caller's dict gets the same ArgumentError an HTTP client's 422 says."""
+    with pytest.raises(ArgumentError) as e:
+        parse(ImageBody, {"model": "flux", "prompt": "a cat", **body})
+    assert e.value.field == field and says in str(e.value), str(e.value)
+
+
 def test_a_video_pipeline_is_refused_on_the_images_endpoint():
     wan = ImageRules("wan", "WanPipeline", 8, 16, 2048, 150, kind="video")
     with pytest.raises(ArgumentError, match="video pipeline") as e:
-        check_image({"prompt": "a cat"}, wan, Limits())
+        _image({"prompt": "a cat"}, wan)
     assert e.value.field == "model"
 
 
 def test_a_good_body_gives_the_job_fields():
-    out = check_image(
-        {"prompt": "a cat", "size": "512x768", "steps": 4, "seed": 7, "guidance": 3,
-         "max_sequence_length": 77}, _FLUX, Limits(),
-    )  # fmt: skip
+    body = {"prompt": "a cat", "size": "512x768", "steps": 4, "seed": 7, "guidance": 3,
+            "max_sequence_length": 77}  # fmt: skip
+    out = _image(body, _FLUX)
     assert out == {
         "prompt": "a cat", "width": 512, "height": 768, "steps": 4, "seed": 7,
         "guidance": 3.0, "negative_prompt": None, "max_sequence_length": 77,
     }  # fmt: skip
-    assert 0 <= check_image({"prompt": "a"}, _FLUX, Limits())["seed"] < 2**31
+    assert 0 <= _image({"prompt": "a"}, _FLUX)["seed"] < 2**31
 
 
 @pytest.fixture
@@ -254,9 +276,7 @@ def test_a_control_image_declaring_another_size_is_refused_from_its_header(side,
     monkeypatch.setattr(Image.Image, "load", lambda self: decoded.append(self.size))
     image = base64.b64encode(_png_declaring(side, side)).decode()
     with pytest.raises(ArgumentError) as e:
-        check_controlnet(
-            {"controlnet": {"name": "edges", "image": image}}, ["edges"], (512, 512), Limits()
-        )
+        check_controlnet(ControlRef(name="edges", image=image), ["edges"], (512, 512), Limits())
     assert e.value.field == "controlnet.image" and e.value.allowed == "512x512"
     assert f"{side}x{side}" in str(e.value) or "too many pixels" in str(e.value)
     assert decoded == []  # refused from the header: not a pixel decoded

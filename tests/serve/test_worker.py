@@ -339,3 +339,24 @@ def test_a_stopped_worker_keeps_no_view_of_its_device_tier(store):
 
     ptr = run()
     assert _views_of(ptr) == 0
+
+
+def test_a_shutdown_that_cannot_wait_closes_the_cache_once_the_running_job_ends(worker, gate):
+    """A job that reaches no denoising step within the shutdown's time keeps the cache
+    open under it; the cache is closed, and the budget given back, as that job ends."""
+    from nostall.errors import ShuttingDown
+
+    w = worker(prefetch=False)
+    running, _ = _submit(w, seed=1)
+    assert gate.started.wait(60)  # held before its pipeline call: no step to stop at
+    queued, _ = _submit(w, seed=2)
+    w.shutdown(timeout=0.2)
+    assert isinstance(queued.exception(10), ShuttingDown)  # the queue failed at once
+    assert not w.cache._closed and "model cache" in w.budget.status()["claims"]
+    gate.set()
+    stopped = running.exception(60)  # at its first step, the cache still open under it
+    assert isinstance(stopped, ShuttingDown) and "stopped after" in str(stopped), stopped
+    _wait_for(lambda: w.cache._closed, "the cache closed as the running job ended", 30)
+    _wait_for(lambda: w.closed, "the rest closed after it", 30)
+    claims = w.budget.status()["claims"]
+    assert "model cache" not in claims and "LoRA base copies" not in claims

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -44,6 +45,7 @@ import torch
 from nostall.adapters import Fusions, Lora, Shelf, check_fits, lora_bytes, lora_weights
 from nostall.adapters.lora import ROLES as LORA_ROLES
 from nostall.cache import placement
+from nostall.cache.config import CacheConfig, resolve_config
 from nostall.cache.device import DeviceTier, Slot
 from nostall.cache.holds import Hold, Holds
 from nostall.cache.host import HostTier, cpu_tier_bytes, parse_host_tier, store_bytes
@@ -63,7 +65,7 @@ from nostall.memory.host import memory_limit
 from nostall.store.catalog import ComponentEntry, PipelineEntry, Store
 from nostall.transfer.loader import Loader, resolve_device
 
-__all__ = ["CacheStats", "ModelCache"]
+__all__ = ["CacheConfig", "CacheStats", "ModelCache"]
 
 log = logging.getLogger("nostall.cache")
 
@@ -76,42 +78,15 @@ class ModelCache:
             addressed by its folder name) or a mapping ``name → pipeline folder``; a
             folder or mapping is served by the process's one store of it
             (:meth:`Store.shared`), which other users of that folder share.
-        device: where the pipelines run: ``"cuda[:N]"`` or ``"cpu"`` (then the device
-            tier is ordinary memory the modules own; everything else is the same, so
-            CI tests it all).
-        gpu_budget: bytes of the device tier, allocated once at the first switch
-            (default: 80% of the GPU's free memory then; on a CPU a quarter of the
-            memory limit, reserved as address space and committed as it is written).
-        host_budget: bytes of the host tier (default: what the store's weights take
-            there, each distinct component once, at most half the memory limit: every
-            pipeline's headers are read to size it. A CUDA cache pins the tier in the
-            background from the start; a CPU cache's pages are committed as written).
-        dtype: load floating weights in this dtype, keeping the modules a library keeps
-            in float32 (as ``from_pretrained(torch_dtype=...)``); default: as stored.
-        variant: weights variant (``"fp16"``) in every component folder.
-        watermark: when a switch must evict from the device tier, it evicts idle
-            components until the tier is at most this full after the switch (so the
-            next switch or a prefetch finds room), or as far as idle components allow.
-        wait_s: how long a switch waits for room held by pipelines in use elsewhere
-            before :class:`~nostall.BudgetExceeded`.
-        activation_reserve: device bytes the base copies of fused LoRAs leave free (the
-            weights a LoRA changes, kept to restore the base bit for bit: on the device
-            while this much stays free beside them, else in host memory, restored over
-            the link; default: a tenth of the GPU, at least 2 GiB).
-        lora_budget: bytes of pinned host memory for LoRAs read (their factors, copied
-            to the GPU at link speed when fused), taken from ``host_budget``; the least
-            recently used go first (default: what ``<store>/loras`` holds, at most a
-            quarter of the host budget).
-        cache_dir: where the digest index lives (see :class:`~nostall.cache.Store`;
-            ``False`` keeps digests in memory). Components are identified by a digest of
-            every byte, computed as they are first read and remembered there. For a store
-            in object storage (``models="s3://bucket/prefix"``), a folder given here is
-            also the disk tier: weight files read from the bucket are kept there.
-        host_tier: ``"private"`` (default: this process's own pinned pool) or
-            ``"shared:NAME"``: the host's one tier of that name, which every worker
-            process of the host that names it maps (:class:`~nostall.memory.SharedPool`):
-            a component one worker read is a memory hit for all, and ``host_budget`` is
-            the host's (the first process sizes it).
+        config: how the cache runs (:class:`~nostall.cache.config.CacheConfig`: device,
+            the tiers' budgets, dtype, variant, watermark, ...); or give its fields as
+            keyword arguments (``device="cpu", gpu_budget=...``), not both.
+        loader: the :class:`~nostall.transfer.loader.Loader` to read and copy with
+            (default: one of the cache's own, closed with it).
+
+    A cache dropped without :meth:`close` gives its tiers and its prefetch thread back
+    when it is collected (never at interpreter exit, when CUDA may be gone first: the
+    process's end frees them then).
 
     >>> cache = nostall.ModelCache("/models", device="cuda", gpu_budget=36 << 30)  # doctest: +SKIP
     >>> with cache.use("flux-dev") as pipe:  # doctest: +SKIP
@@ -123,60 +98,42 @@ class ModelCache:
         self,
         models: Store | str | os.PathLike | Mapping[str, str | os.PathLike],
         *,
-        device: str | torch.device = "cuda",
-        gpu_budget: int | None = None,
-        host_budget: int | None = None,
-        dtype: torch.dtype | None = None,
-        variant: str | None = None,
-        watermark: float = 0.95,
-        wait_s: float = 300.0,
+        config: CacheConfig | None = None,
         loader: Loader | None = None,
-        cache_dir: str | os.PathLike | bool | None = None,
-        activation_reserve: int | None = None,
-        lora_budget: int | None = None,
-        host_tier: str | None = None,
+        **options: Any,
     ):
-        self.device = resolve_device(device)
-        shared = parse_host_tier(host_tier)
-        if not 0.0 < watermark <= 1.0:
-            raise ArgumentError(f"watermark={watermark!r} must be in (0, 1]")
-        for name, value, least in (
-            ("gpu_budget", gpu_budget, 1),
-            ("host_budget", host_budget, 1),
-            ("activation_reserve", activation_reserve, 0),
-            ("lora_budget", lora_budget, 0),
-        ):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < least
-            ):
-                raise ArgumentError(
-                    f"{name}={value!r} must be a{' positive' if least else ''} number of bytes"
-                )
-        self.store = Store.shared(models, variant=variant, cache_dir=cache_dir)
-        self.dtype = dtype
-        self.watermark = watermark
-        self.wait_s = wait_s
+        config = resolve_config(CacheConfig, config, options, "ModelCache")
+        self.config = config
+        self.device = resolve_device(config.device)
+        shared = parse_host_tier(config.host_tier)
+        self.store = Store.shared(models, variant=config.variant, cache_dir=config.cache_dir)
+        self.dtype = dtype = config.dtype
+        self.watermark = config.watermark
+        self.wait_s = wait_s = config.wait_s
         limit = memory_limit()[0] or (16 << 30)
+        gpu_budget = config.gpu_budget
         if gpu_budget is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
                 gpu_budget = int(free * 0.8)
             else:  # ordinary memory, committed at the first switch: what the store needs
                 gpu_budget = cpu_tier_bytes(self.store, limit // 4)
-        self._tier = DeviceTier(self.device, gpu_budget)
         loras = os.path.join(self.store.root, "loras") if self.store.root else None
         on_disk = lora_bytes(loras)
+        lora_budget = config.lora_budget
         loras_host = lora_budget if lora_budget is not None else min(on_disk, limit // 8)
-        host = host_budget or (store_bytes(self.store, limit // 2) + loras_host)
+        host = config.host_budget or (store_bytes(self.store, limit // 2) + loras_host)
         if lora_budget is None:
             lora_budget = min(on_disk, host // 4)
         if lora_budget >= host:
             raise ArgumentError(
                 f"lora_budget={lora_budget} leaves nothing of host_budget={host} for the "
-                "pipelines' components; give a larger host budget or a smaller LoRA budget"
+                "pipelines' components; give a larger host budget or a smaller LoRA budget",
+                field="lora_budget",
             )
+        self._tier = DeviceTier(self.device, gpu_budget)
         self._host = HostTier(host - lora_budget, self.device, shared=shared)
-        self.activation_reserve = activation_reserve
+        self.activation_reserve = config.activation_reserve
         self._own_loader = loader is None
         self._loader = loader or Loader()
         self._pipelines = Pipelines()
@@ -195,6 +152,18 @@ class ModelCache:
         self._current: set[str] = set()  # the last pipeline handed out without use()
         self._roles: dict[str, set[tuple[str, str]]] = {}  # digest -> {(pipeline, role)}
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="nostall-prefetch")
+        # What close() gives back, for a cache collected without it. Not at interpreter
+        # exit (atexit False): torch and CUDA may be torn down before it would run.
+        self._finalizer = weakref.finalize(
+            self,
+            _release,
+            self._prefetcher,
+            self._tier,
+            self._shelf,
+            self._host,
+            self._loader if self._own_loader else None,
+        )
+        self._finalizer.atexit = False
         self.reports: deque[SwitchReport] = deque(maxlen=256)
         self._tick = 0  # switches so far: the device tier's recency clock
         self._closed = False
@@ -469,6 +438,7 @@ class ModelCache:
         self._host.close()
         if self._own_loader:
             self._loader.close()
+        self._finalizer.detach()  # all given back
 
     def __enter__(self) -> ModelCache:
         return self
@@ -788,3 +758,19 @@ def _adaptable(pipe: Any) -> dict[str, torch.nn.Module]:
 def _roles(without: Iterable[str]) -> frozenset[str]:
     """``without`` as a set of roles (one name alone is one role, not its letters)."""
     return frozenset([without] if isinstance(without, str) else without)
+
+
+def _release(prefetcher: ThreadPoolExecutor, *parts: Any) -> None:
+    """:meth:`ModelCache.close` for a cache collected without it: no lock to take (nothing
+    else holds the cache), the prefetch thread told to stop without waiting (this may run
+    on it), every tier closed even when one fails."""
+    if sys.is_finalizing():  # (modules and CUDA may be half torn down)
+        return
+    prefetcher.shutdown(wait=False, cancel_futures=True)
+    for part in parts:
+        if part is None:
+            continue
+        try:
+            part.close()
+        except Exception as e:  # a finalizer cannot raise: say it, close the rest
+            log.warning("closing a collected model cache: %s: %s", type(part).__name__, e)

@@ -51,22 +51,108 @@ def _time_limit() -> float:
     )
 
 
-def _http_url(value: str | None) -> str | None:
-    """An ``http(s)://host[:port][/path]`` URL as given; a usage error otherwise."""
-    if value is None:
-        return None
-    from urllib.parse import urlsplit
+def _variant() -> str | None:
+    return typer.Option(
+        None,
+        help="Weights variant read in every component folder (fp16: "
+        "diffusion_pytorch_model.fp16.safetensors; default: the plain files).",
+    )
+
+
+def _watermark() -> float:
+    return typer.Option(
+        0.95,
+        help="When a switch must evict from the device tier, it evicts idle components "
+        "until the tier is at most this full after it (room for the next switch or a "
+        "prefetch); a fraction in (0, 1].",
+    )
+
+
+def _wait() -> float:
+    return typer.Option(
+        300.0,
+        "--wait-s",
+        help="Seconds a switch waits for device room held by requests running elsewhere "
+        "before it fails (503 no_room).",
+    )
+
+
+def _cache_dir() -> str | None:
+    return typer.Option(
+        None,
+        help="Folder of the digest index (and, for an s3:// store, the disk tier of the "
+        "files read from the bucket); default: $NOSTALL_CACHE_DIR, else ~/.cache/nostall.",
+    )
+
+
+def _lora_budget() -> float | None:
+    return typer.Option(
+        None,
+        "--lora-budget-gb",
+        help="Pinned host memory for LoRAs read (copied to the GPU at link speed when "
+        "fused), taken from the host tier (default: what <store>/loras holds, at most a "
+        "quarter of the host tier).",
+    )
+
+
+def _cache_options(
+    *,
+    device: str,
+    gpu_budget_gb: float | None,
+    host_budget_gb: float | None,
+    host_tier: str,
+    dtype: str | None = None,
+    variant: str | None,
+    watermark: float,
+    wait_s: float,
+    cache_dir: str | None,
+    lora_budget_gb: float | None,
+    activation_reserve: int | None = None,
+) -> dict[str, Any]:
+    """The model cache's fields (:class:`~nostall.cache.config.CacheConfig`) from the
+    flags: budgets in GB as bytes, the dtype parsed; the config checks the rest."""
+    lora = None
+    if lora_budget_gb is not None:
+        lora = 0 if lora_budget_gb == 0 else gigabytes(lora_budget_gb, "--lora-budget-gb")
+    return {
+        "device": device,
+        "gpu_budget": gigabytes(gpu_budget_gb, "--gpu-budget-gb"),
+        "host_budget": gigabytes(host_budget_gb, "--host-budget-gb"),
+        "host_tier": host_tier,
+        "dtype": parse_dtype(dtype),
+        "variant": variant,
+        "watermark": watermark,
+        "wait_s": wait_s,
+        "cache_dir": cache_dir,
+        "lora_budget": lora,
+        "activation_reserve": activation_reserve,
+    }
+
+
+@contextlib.contextmanager
+def _config_errors() -> Iterator[None]:
+    """A config's refusal as the usage error of the flag behind its field."""
+    from nostall.errors import ArgumentError
 
     try:
-        parts = urlsplit(value)
-        parts.port  # noqa: B018 (raises ValueError for a port out of range or not a number)
-    except ValueError as e:
-        raise typer.BadParameter(f"{value!r} is not a URL ({e})") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise typer.BadParameter(
-            f"{value!r} is not an http(s) URL; give e.g. http://127.0.0.1:8001"
-        )
-    return value
+        yield
+    except ArgumentError as e:
+        flag = None if e.field is None else "--" + e.field.replace("_", "-")
+        flag = _FLAGS.get(e.field, flag)
+        raise typer.BadParameter(str(e), param_hint=flag) from e
+
+
+# Config fields whose flag is not "--" + the field's name.
+_FLAGS = {
+    "gpu_budget": "--gpu-budget-gb",
+    "host_budget": "--host-budget-gb",
+    "lora_budget": "--lora-budget-gb",
+    "reserve": "--activation-reserve-gb",
+    "external": "--embed-budget-gb",
+    "lora_room": "--lora-room-gb",
+    "delay_s": "--max-delay-s",
+    "overtake": "--max-overtaken",
+}
 
 
 @app.command()
@@ -92,6 +178,11 @@ def serve(
         "worker of this host that names it: what one read is a memory hit for all).",
     ),
     dtype: str = typer.Option(None, help="bf16, fp16 or fp32 (default: as stored)."),
+    variant: str = _variant(),
+    watermark: float = _watermark(),
+    wait_s: float = _wait(),
+    cache_dir: str = _cache_dir(),
+    lora_budget_gb: float = _lora_budget(),
     prepare: bool = typer.Option(
         True, "--prepare/--no-prepare", help="Build every pipeline's modules at boot."
     ),
@@ -115,9 +206,7 @@ def serve(
         "LoRA switch copies them back over the link.",
     ),
     embed_url: str = typer.Option(
-        None,
-        callback=_http_url,
-        help="An embedding service (nostall embed-server) for FLUX, SDXL and SD3 prompts.",
+        None, help="An embedding service (nostall embed-server) for FLUX, SDXL and SD3 prompts."
     ),
     api_token: str = _token(),
     time_limit_s: float = _time_limit(),
@@ -150,43 +239,46 @@ def serve(
 ) -> None:
     """Serve image generation and video decoding over HTTP (OpenAI's images API shape),
     switching pipelines through the model cache. Status page at /, metrics at /metrics."""
-    from nostall.cache.host import parse_host_tier
     from nostall.serve.app import create_app
+    from nostall.serve.config import WorkerConfig
     from nostall.serve.http import check_server, resolve_token, run_server, uvicorn_config
     from nostall.serve.schedule import Policy
     from nostall.serve.worker import Worker
 
-    with usage_errors("--host-tier"):
-        parse_host_tier(host_tier)
-    gpu_budget = gigabytes(gpu_budget_gb, "--gpu-budget-gb")
-    host_budget = gigabytes(host_budget_gb, "--host-budget-gb")
-    dt = parse_dtype(dtype)
-    with usage_errors("--api-token"):
-        # checked (and the exposure warned of) before the worker reads a byte
-        token = resolve_token(api_token)
-        check_server(host=host, port=port, token=token, what="the worker")
-    with usage_errors():
-        worker = Worker(
-            models,
-            device=device,
-            gpu_budget=gpu_budget,
-            host_budget=host_budget,
-            dtype=dt,
+    with _config_errors():  # every value checked once, before a byte is read
+        config = WorkerConfig.from_kwargs(
+            **_cache_options(
+                device=device,
+                gpu_budget_gb=gpu_budget_gb,
+                host_budget_gb=host_budget_gb,
+                host_tier=host_tier,
+                dtype=dtype,
+                variant=variant,
+                watermark=watermark,
+                wait_s=wait_s,
+                cache_dir=cache_dir,
+                lora_budget_gb=lora_budget_gb,
+            ),
             max_queue=max_queue,
             prepare=prepare,
             embed_url=embed_url,
             reserve=None if activation_reserve_gb is None else int(activation_reserve_gb * 1e9),
             external=int((embed_budget_gb or 0) * 1e9),
             lora_room=int(lora_room_gb * 1e9),
-            host_tier=host_tier,
             schedule=Policy(batch=batch, overtake=max_overtaken, delay_s=max_delay_s),
         )
+    with usage_errors("--api-token"):
+        # checked (and the exposure warned of) before the worker reads a byte
+        token = resolve_token(api_token)
+        check_server(host=host, port=port, token=token, what="the worker")
+    with usage_errors():
+        worker = Worker(models, config=config)
     # Refused here, before the server binds, when a pipeline can never fit the device
     # tier (BudgetExceeded, printed as an error naming it); the app's start is then a no-op.
     worker.start()
     console.print(f"nostall worker: device budget {worker.budget.describe()}")
     app_ = create_app(worker, token=token, time_limit=time_limit_s)
-    config = uvicorn_config(
+    server = uvicorn_config(
         app_,
         host=host,
         port=port,
@@ -203,7 +295,7 @@ def serve(
         f"nostall worker: {len(worker.names())} pipelines on {worker.device}; "
         f"http://{host}:{port}/ (status), /v1/images/generations, /v1/videos/decode"
     )
-    run_server(config, drain=lambda done: worker.drain(grace_s, on_done=done))
+    run_server(server, drain=lambda done: worker.drain(grace_s, on_done=done))
 
 
 @app.command()
@@ -228,6 +320,12 @@ def fleet(
         help="shared:NAME (default: one tier for all the workers of a host, in /dev/shm) or "
         "private (each worker its own).",
     ),
+    dtype: str = typer.Option(None, help="bf16, fp16 or fp32 (default: as stored)."),
+    variant: str = _variant(),
+    watermark: float = _watermark(),
+    wait_s: float = _wait(),
+    cache_dir: str = _cache_dir(),
+    lora_budget_gb: float = _lora_budget(),
     address: str = typer.Option(None, help="A running Ray cluster (default: start one here)."),
     embed: bool = typer.Option(
         False,
@@ -245,43 +343,55 @@ def fleet(
     the worker that can serve its model soonest (GPU, then host memory, then disk)."""
     # The workers' GPUs may be on other hosts of the cluster: only the kind is checked here.
     check_choices([device], ("cuda", "cpu"), "--device")
-    from nostall.cache.host import parse_host_tier
+    from nostall.serve.config import WorkerConfig
     from nostall.serve.http import check_server, resolve_token
 
-    with usage_errors("--host-tier"):
-        parse_host_tier(host_tier)
+    embed_url, share = None, 1.0
+    if embed:
+        local = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        embed_url, share = f"http://{local}:{port}/embed", 0.9
+    with _config_errors():  # every worker's config, checked before Ray starts
+        config = WorkerConfig.from_kwargs(
+            **_cache_options(
+                device=device,
+                gpu_budget_gb=gpu_budget_gb,
+                host_budget_gb=host_budget_gb,
+                host_tier=host_tier,
+                dtype=dtype,
+                variant=variant,
+                watermark=watermark,
+                wait_s=wait_s,
+                cache_dir=cache_dir,
+                lora_budget_gb=lora_budget_gb,
+            ),
+            embed_url=embed_url,
+        )
     with usage_errors("--api-token"):
         token = resolve_token(api_token)
         check_server(host=host, port=port, token=token, what="the fleet")
-    opts: dict = {"host_tier": host_tier}
-    share = 1.0
-    if embed:
-        local = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        opts["embed_url"] = f"http://{local}:{port}/embed"
-        share = 0.9
-    for key, value, hint in (
-        ("gpu_budget", gpu_budget_gb, "--gpu-budget-gb"),
-        ("host_budget", host_budget_gb, "--host-budget-gb"),
-    ):
-        if value is not None:
-            opts[key] = gigabytes(value, hint)
 
     import ray
     from ray import serve as ray_serve
 
+    from nostall.serve.config import EmbedConfig
     from nostall.serve.fleet import build_embed, build_fleet
 
     with usage_errors():
         app_ = build_fleet(
             models,
             replicas=replicas,
-            device=device,
-            worker_options=opts,
+            config=config,
             gpu_share=share,
             token=token,
             time_limit=time_limit_s,
         )
-        embed_app = build_embed(models, device=device, gpu_share=1 - share) if embed else None
+        embed_app = None
+        if embed:
+            embed_app = build_embed(
+                models,
+                config=EmbedConfig(device=device, dtype=config.cache.dtype),
+                gpu_share=1 - share,
+            )
     ray.init(address=address, include_dashboard=False)
     with _stopped_quietly("nostall fleet", grace_s):
         ray_serve.start(http_options={"host": host, "port": port})
@@ -327,11 +437,14 @@ def _stopped_quietly(what: str, grace: float) -> Iterator[None]:
         # Serve's own shutdown lets the workers finish what they run; it can hang on a
         # cluster whose processes got the signal too (a terminal's Ctrl-C reaches the
         # whole process group): bounded, then Ray is stopped regardless.
-        stopping = threading.Thread(target=ray_serve.shutdown, daemon=True)
-        stopping.start()
-        stopping.join(grace)
-        with contextlib.suppress(Exception):
-            ray.shutdown()
+        # Before Ray is up there is nothing to stop (Serve's shutdown would start a Ray
+        # instance to find that out: 5 s and more on two cores).
+        if ray.is_initialized():
+            stopping = threading.Thread(target=ray_serve.shutdown, daemon=True)
+            stopping.start()
+            stopping.join(grace)
+            with contextlib.suppress(Exception):
+                ray.shutdown()
         for s, handler in before.items():
             signal.signal(s, handler)
         console.print(f"{what}: stopped")
@@ -370,16 +483,15 @@ def embed_server(
 ) -> None:
     """Serve the store's text encoders (T5, UMT5, CLIP): unpooled and pooled embeddings as
     safetensors, dynamic batching, an exact-match cache."""
+    from nostall.serve.config import EmbedConfig
     from nostall.serve.embed import EmbeddingService, create_embed_app
     from nostall.serve.http import check_server, resolve_token, run_server, uvicorn_config
 
     dt = parse_dtype(dtype)
     with usage_errors("--api-token"):
         token = resolve_token(api_token)
-    with usage_errors():  # the token and the address before a model is read
-        check_server(host=host, port=port, token=token, what="the embedding service")
-        service = EmbeddingService(
-            models,
+    with _config_errors():
+        config = EmbedConfig(
             device=device,
             dtype=dt,
             cache_bytes=int(cache_gb * 1e9),
@@ -389,8 +501,11 @@ def embed_server(
             max_text_chars=max_text_chars,
             max_texts=min(256, max_queue),  # a request must fit the queue
         )
+    with usage_errors():  # the token and the address before a model is read
+        check_server(host=host, port=port, token=token, what="the embedding service")
+        service = EmbeddingService(models, config=config)
         app_ = create_embed_app(service, api_token=token)
-        config = uvicorn_config(
+        server = uvicorn_config(
             app_, host=host, port=port, token=token, graceful_shutdown=int(grace_s), warn=False
         )
     console.print(
@@ -403,4 +518,4 @@ def embed_server(
             f"loaded: a worker on this GPU leaves them out with --embed-budget-gb "
             f"{service.encoder_bytes / 1e9 + 0.01:.2f}"
         )
-    run_server(config)
+    run_server(server)

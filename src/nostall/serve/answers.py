@@ -1,4 +1,5 @@
-"""What a failed request is answered, one mapping for the worker app and the fleet.
+"""What a failed request is answered: one mapping for the worker app, the fleet and the
+embedding service.
 
 Every error is JSON ``{"error": {"type", "message", ...}}``
 (:func:`~nostall.serve.http.error_response`). :func:`error_answer` maps an exception to
@@ -43,13 +44,20 @@ def _allowed(value: Any) -> Any:
 
 
 def error_answer(
-    e: BaseException, *, model: str | None = None, models: list[str] | None = None
+    e: BaseException,
+    *,
+    model: str | None = None,
+    models: list[str] | None = None,
+    unknown: str = "model",
 ) -> tuple[int, dict[str, Any], dict[str, str]]:
     """``(status, error, headers)`` for a request that failed with ``e``: 404 unknown
-    model (listing ``models``), 422 a value the request or the pipeline refused (with
-    ``field`` and ``allowed`` where the error names them), 429 queue full, 503 shutting
-    down, no room or out of device memory (with ``Retry-After``), 500 anything else.
-    ``model``: the request's, named in a pipeline's refusal."""
+    model (listing ``models``; with ``unknown="encoder"``, the embedding service's
+    ``unknown_encoder``, naming the encoder asked for, those there are and the close
+    ones), 422 a value the request or the pipeline refused (with ``field`` and
+    ``allowed`` where the error names them), 429 queue full, 503 shutting down, no room
+    or out of device memory (with ``Retry-After``), 500 anything else. ``model``: the
+    request's, named in a pipeline's refusal."""
+    from nostall.serve.budget import is_out_of_memory
 
     def retry(default: float) -> dict[str, str]:
         wait = getattr(e, "retry_after", None) or default
@@ -59,6 +67,9 @@ def error_answer(
         return {"type": kind, "message": str(e) if message is None else message, **extra}
 
     if isinstance(e, UnknownModel):
+        if unknown == "encoder":
+            fields = {"encoder": e.name, "encoders": e.available, "close": e.close}
+            return 404, err("unknown_encoder", **fields), {}
         return 404, err("unknown_model", **({"models": models} if models is not None else {})), {}
     if isinstance(e, QueueFull):
         wait = e.retry_after if e.retry_after is not None else 1.0  # the queue's estimate
@@ -75,8 +86,8 @@ def error_answer(
         return 503, err("no_room"), retry(5)
     if isinstance(e, DeviceBusy):  # out of device memory twice: the worker carries on
         return 503, err("device_busy"), retry(5)
-    if type(e).__name__ == "OutOfMemoryError":  # torch's, where a worker lets it through
-        return 503, err("out_of_memory", f"OutOfMemoryError: {e}"), retry(5)
+    if is_out_of_memory(e):  # torch's (or a library's), where a service lets it through
+        return 503, err("out_of_memory", f"{type(e).__name__}: {e}"), retry(5)
     if isinstance(e, ValueError):  # the pipeline refused what it was given (check_inputs)
         return 422, err("rejected_by_pipeline", f"{model}: {e}" if model else None), {}
     if isinstance(e, NostallError):
@@ -91,26 +102,28 @@ def answer(e: BaseException, **kw: Any):
     return error_response(status, kind, message, headers=headers or None, **error)
 
 
-def schema_error(e: Any):
+def schema_error(e: Any, *, hint: str = ""):
     """A 422 for a body or query that does not fit its schema (the first problem named,
-    and the value given)."""
-    first = e.errors()[0]
-    loc = [str(x) for x in first["loc"] if x not in ("body", "query")]
-    where = ".".join(loc) or "body"
-    got = f" (got {first['input']!r:.200})" if "input" in first and loc else ""
-    return error_response(422, "invalid_value", f"{where}: {first['msg']}{got}", field=where)
+    and the value given: :func:`~nostall.serve.bodies.first_problem`); ``hint`` follows
+    the message (the embedding service says the body's shape)."""
+    from nostall.serve.bodies import first_problem
+
+    where, message = first_problem(e)
+    return error_response(
+        422, "invalid_value", f"{message}; {hint}" if hint else message, field=where
+    )
 
 
-def read_body(raw: bytes, schema: type) -> Any:
+def read_body(raw: bytes, schema: type, *, hint: str = "") -> Any:
     """The JSON body ``raw`` as the pydantic model ``schema``; or the answer to give
     instead: 400 for bytes that are not UTF-8 JSON (or nest too deep), 422 for JSON that
-    does not fit the schema."""
+    does not fit the schema (``hint``: as :func:`schema_error`'s)."""
     from pydantic import ValidationError
 
     try:
         return schema.model_validate(json.loads(raw))
     except ValidationError as e:
-        return schema_error(e)
+        return schema_error(e, hint=hint)
     except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, or nested too deep
         why = "nested too deep" if isinstance(e, RecursionError) else str(e)
         return error_response(400, "malformed_json", f"body is not JSON: {why:.300}")

@@ -44,110 +44,47 @@ JSON ``{"error": {"type", "message", ...}}``: 400 not JSON; 401 without the toke
 (``api_token``); 404 an unknown encoder (named, with the encoders there are); 413 a body
 over ``max_body_bytes`` (refused before it is read); 422 a value out of range, or an
 encoder's ``ValueError`` (``field`` and ``allowed`` name what); 429 the queue is full
-(``Retry-After``); 503 shutting down, or out of device memory.
+(``Retry-After``); 503 shutting down, or out of device memory: the worker's mapping
+(:func:`~nostall.serve.answers.error_answer`). The HTTP routes are
+:mod:`nostall.serve.embed_app`'s; the encoders themselves :mod:`nostall.serve.encoders`'.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
-import os
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
-from nostall.errors import (
-    ArgumentError,
-    CheckpointError,
-    DeviceBusy,
-    NostallError,
-    QueueFull,
-    ShuttingDown,
-    UnknownModel,
-)
+from nostall.cache.config import resolve_config
+from nostall.errors import ArgumentError, QueueFull, ShuttingDown, UnknownModel
 from nostall.serve.budget import DeviceBudget, text_encoder_bytes
+from nostall.serve.config import EmbedConfig
+from nostall.serve.embed_app import create_embed_app
 from nostall.serve.embed_cache import EmbeddingCache
+from nostall.serve.encoders import Encoder, encoders_of
 
-__all__ = ["EmbeddingService", "create_embed_app"]
+__all__ = ["EmbedConfig", "EmbeddingService", "Embeddings", "create_embed_app"]
 
 log = logging.getLogger(__name__)
-
-_TOKENIZER = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2",
-              "text_encoder_3": "tokenizer_3"}  # fmt: skip
-
-
-@dataclass(eq=False)
-class _Encoder:
-    digest: str
-    names: list[str]
-    folder: str
-    tokenizer_folder: str
-    module: torch.nn.Module | None = None
-    tokenizer: Any = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    shape: _Shape | None = None  # read from its config files on first use
-
-
-@dataclass(frozen=True)
-class _Shape:
-    """What a request may ask of an encoder, from its config files (nothing loaded)."""
-
-    limit: int  # the longest max_length: its position embeddings, within the service's cap
-    default: int  # the tokenizer's own length (CLIP's 77), within the limit
-    layers: int  # hidden states: the embeddings', then one per layer
-    positions: int | None  # absolute position embeddings (CLIP); None: relative (T5)
-
-
-def _read_shape(enc: _Encoder, cap: int) -> _Shape:
-    import transformers
-
-    try:
-        config = transformers.AutoConfig.from_pretrained(enc.folder)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read the text encoder's config: {e}", path=enc.folder) from e
-    positions = getattr(config, "max_position_embeddings", None)
-    limit = min(cap, int(positions)) if positions else cap
-    own = None
-    try:
-        with open(os.path.join(enc.tokenizer_folder, "tokenizer_config.json")) as f:
-            own = json.load(f).get("model_max_length")
-    except (OSError, ValueError, AttributeError):
-        pass  # no tokenizer config: the limit is the default, as transformers' huge one is
-    default = min(int(own), limit) if isinstance(own, (int, float)) and own >= 1 else limit
-    return _Shape(limit, default, int(config.num_hidden_layers) + 1, positions)
 
 
 @dataclass(eq=False)
 class _Item:
-    encoder: _Encoder
+    encoder: Encoder
     key: tuple  # the cache's: (digest, SHA-256 of the text, max_length, hidden_layer, dtype)
     ids: torch.Tensor  # int64 (max_length,): the text's tokens, padded
     max_length: int
     hidden_layer: int | None
     future: Future
     arrived: float = 0.0
-
-
-class _Body(BaseModel):
-    """``POST /v1/embeddings``: strict types, so ``"77"``, ``77.9`` and ``true`` are not
-    lengths; unknown fields are refused (a typo should not fall back to a default)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    encoder: StrictStr
-    texts: list[StrictStr]
-    max_length: StrictInt | None = None
-    hidden_layer: StrictInt | None = None
 
 
 class _Rate:
@@ -174,61 +111,40 @@ class EmbeddingService:
     ``models``: a :class:`~nostall.cache.Store`, or a folder or mapping whose store this
     process shares (:meth:`Store.shared <nostall.cache.Store.shared>`).
 
-    ``encoders``: the ``<pipeline>/<component>`` names to serve (default: every text
-    encoder in the store, loaded on first use); ``dtype``: the encoders' dtype (default:
-    as stored); ``max_length_cap``: the longest ``max_length`` a request may ask (an
-    encoder with position embeddings allows no more than it has); ``max_texts``: texts
-    per request; ``max_text_chars``: characters per text (default 8192, about four times
-    what T5's 512 tokens cover in English; longer texts are refused); ``max_queue``:
-    texts waiting to be encoded (more: :class:`~nostall.errors.QueueFull`); ``budget``:
-    this process's device budget (:class:`~nostall.serve.budget.DeviceBudget`), from
-    which the encoders' bytes are claimed at once (``encoder_bytes``).
+    ``config``: how it runs (:class:`~nostall.serve.config.EmbedConfig`: device, dtype,
+    the cache's bytes, batching, the request limits); or give its fields as keyword
+    arguments, not both. Every text encoder of the store is served, loaded on first
+    use. ``budget``: this process's device budget
+    (:class:`~nostall.serve.budget.DeviceBudget`), from which the encoders' bytes are
+    claimed at once (``encoder_bytes``).
     """
 
     def __init__(
         self,
         models: Any,
         *,
-        device: str | torch.device = "cuda",
-        dtype: torch.dtype | None = None,
-        cache_bytes: int = 1 << 30,
-        token_budget: int = 8192,
-        max_wait_s: float = 0.005,
-        max_length_cap: int = 1024,
-        max_texts: int = 256,
-        max_text_chars: int = 8192,
-        max_queue: int = 1024,
+        config: EmbedConfig | None = None,
         budget: DeviceBudget | None = None,
+        **options: Any,
     ):
         from nostall.serve.metrics import EmbedMetrics
         from nostall.store.catalog import Store
         from nostall.transfer.loader import resolve_device
 
-        self.device = resolve_device(device)
-        self.dtype = dtype
-        self.token_budget = token_budget
-        self.max_wait_s = max_wait_s
-        self.max_length_cap = max_length_cap
-        self.max_texts = max_texts
-        self.max_text_chars = max_text_chars
-        self.max_queue = max_queue
-        _check_options(self, cache_bytes)
-        self.cache = EmbeddingCache(cache_bytes)
+        config = resolve_config(EmbedConfig, config, options, "EmbeddingService")
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = dtype = config.dtype
+        self.token_budget = config.token_budget
+        self.max_wait_s = config.max_wait_s
+        self.max_length_cap = config.max_length_cap
+        self.max_texts = config.max_texts
+        self.max_text_chars = config.max_text_chars
+        self.max_queue = config.max_queue
+        self.cache = EmbeddingCache(config.cache_bytes)
         self.metrics = EmbedMetrics()
         self.store = Store.shared(models)  # a worker in this process reads the same one
-        self._by_name: dict[str, _Encoder] = {}
-        by_digest: dict[str, _Encoder] = {}
-        for pname in self.store.names():
-            entry = self.store.entry(pname)
-            for role, c in entry.components.items():
-                if c is None or role not in _TOKENIZER or not c.weights:
-                    continue
-                tok = os.path.join(entry.folder, _TOKENIZER[role])
-                enc = by_digest.get(c.digest)
-                if enc is None:
-                    enc = by_digest[c.digest] = _Encoder(c.digest, [], c.folder, tok)
-                enc.names.append(f"{pname}/{role}")
-                self._by_name[f"{pname}/{role}"] = enc
+        self._by_name: dict[str, Encoder] = encoders_of(self.store)
         # Every encoder on the device, once each has been asked for: claimed now, so a
         # worker sharing the budget sizes its cache around them (loading T5 later finds
         # its room).
@@ -326,8 +242,8 @@ class EmbeddingService:
                 close=difflib.get_close_matches(encoder, self.names()),
             )
         hashes = self._check_texts(texts)
-        max_length = self._check_lengths(encoder, enc, max_length, hidden_layer)
-        self._load(enc)
+        max_length = enc.check(encoder, max_length, hidden_layer, self.max_length_cap)
+        enc.load(self.device, self.dtype)
         dtype = str(next(enc.module.parameters()).dtype)
         parts: list[Any] = []
         hits = 0
@@ -346,7 +262,7 @@ class EmbeddingService:
                 misses.append(text)
         if pending:
             self._admit(len(pending))  # before the tokenizer's work, and again after it
-            ids = self._tokenize(enc, misses, max_length)  # (N, max_length) int64
+            ids = enc.tokenize(misses, max_length)  # (N, max_length) int64
             for i, item in enumerate(pending):
                 item.ids = ids[i]
             with self._cond:
@@ -377,9 +293,11 @@ class EmbeddingService:
                 raise ShuttingDown("the embedding service is shutting down; retry elsewhere")
             waiting = len(self._queue)
             if waiting + texts > self.max_queue:
+                wait = self.retry_after(texts)
                 raise QueueFull(
                     f"the embedding queue holds {waiting} texts of {self.max_queue}; "
-                    f"{texts} more do not fit: retry in about {self.retry_after(texts)} s"
+                    f"{texts} more do not fit: retry in about {wait} s",
+                    retry_after=wait,
                 )
 
     def _check_texts(self, texts: Any) -> list[bytes]:
@@ -417,69 +335,6 @@ class EmbeddingService:
             out.append(hashlib.sha256(raw).digest())
         return out
 
-    def _check_lengths(self, name: str, enc: _Encoder, max_length: Any, hidden_layer: Any) -> int:
-        """``max_length`` (its default for ``None``), checked with ``hidden_layer``
-        against what ``enc`` can take, before it is loaded."""
-        if enc.shape is None:
-            enc.shape = _read_shape(enc, self.max_length_cap)
-        shape = enc.shape
-        if max_length is None:
-            max_length = shape.default
-        elif _not_int(max_length) or not 1 <= max_length <= shape.limit:
-            why = (
-                f"its {shape.positions} position embeddings"
-                if shape.positions is not None and shape.positions <= self.max_length_cap
-                else "the service's max_length_cap"
-            )
-            raise ArgumentError(
-                f"max_length={max_length!r}: {name} takes 1..{shape.limit} tokens ({why})",
-                field="max_length",
-                allowed={"min": 1, "max": shape.limit},
-            )
-        if hidden_layer is not None:
-            n = shape.layers
-            if _not_int(hidden_layer) or not -n <= hidden_layer < n:
-                raise ArgumentError(
-                    f"hidden_layer={hidden_layer!r}: {name} has hidden states {-n}..{n - 1} "
-                    "(-2: the one before the last, as SDXL and SD3 use)",
-                    field="hidden_layer",
-                    allowed={"min": -n, "max": n - 1},
-                )
-        return max_length
-
-    def _tokenize(self, enc: _Encoder, texts: list[str], max_length: int) -> torch.Tensor:
-        """The texts' tokens as diffusers' pipelines make them, truncated and padded to
-        ``max_length``: int64 ``(N, max_length)``."""
-        try:
-            tokens = enc.tokenizer(
-                texts,
-                padding="max_length",
-                max_length=max_length,
-                truncation=True,
-                return_length=False,
-                return_overflowing_tokens=False,
-                return_tensors="pt",
-            )
-        except (ValueError, TypeError) as e:
-            raise ArgumentError(
-                f"texts: the tokenizer of {enc.names[0]} refused them: {e}", field="texts"
-            ) from e
-        return tokens.input_ids
-
-    def _load(self, enc: _Encoder) -> None:
-        if enc.module is not None:
-            return
-        with enc.lock:
-            if enc.module is None:
-                import transformers
-
-                import nostall
-
-                enc.tokenizer = transformers.AutoTokenizer.from_pretrained(enc.tokenizer_folder)
-                enc.module = nostall.load_model(enc.folder, device=self.device, dtype=self.dtype)
-                enc.module.eval()
-                log.info("loaded text encoder %s on %s", ", ".join(enc.names), self.device)
-
     # ---- the batching thread --------------------------------------------------------------
 
     def _take_batch(self) -> list[_Item] | None:
@@ -491,11 +346,7 @@ class EmbeddingService:
                     self._cond.wait()
                     continue
                 first = self._queue[0]
-                same = [
-                    i for i in self._queue
-                    if i.encoder is first.encoder and i.max_length == first.max_length
-                    and i.hidden_layer == first.hidden_layer
-                ]  # fmt: skip
+                same = [i for i in self._queue if _alike(i, first)]
                 full = len(same) * first.max_length >= self.token_budget
                 late = time.perf_counter() - first.arrived >= self.max_wait_s
                 if full or late or not self._accepting:
@@ -584,25 +435,11 @@ class EmbeddingService:
 _NO_IDS = torch.empty(0, dtype=torch.int64)  # an item's tokens until submit has them
 
 
-def _not_int(v: Any) -> bool:
-    return isinstance(v, bool) or not isinstance(v, int)
-
-
-def _check_options(service: EmbeddingService, cache_bytes: Any) -> None:
-    s = service
-    for name, v in (("cache_bytes", cache_bytes), ("token_budget", s.token_budget),
-                    ("max_length_cap", s.max_length_cap), ("max_texts", s.max_texts),
-                    ("max_text_chars", s.max_text_chars), ("max_queue", s.max_queue)):  # fmt: skip
-        if _not_int(v) or v < (0 if name == "cache_bytes" else 1):
-            raise ArgumentError(f"{name}={v!r}: give a whole number >= 1", field=name)
-    if s.max_queue < s.max_texts:
-        raise ArgumentError(
-            f"max_queue={s.max_queue} < max_texts={s.max_texts}: a request of max_texts "
-            "texts could never be queued; give max_queue >= max_texts",
-            field="max_queue",
-        )
-    if not s.max_wait_s >= 0:
-        raise ArgumentError(f"max_wait_s={s.max_wait_s!r}: give seconds >= 0", field="max_wait_s")
+def _alike(a: _Item, b: _Item) -> bool:
+    """Whether ``a`` and ``b`` may share a batch: one encoder, length and layer."""
+    return (
+        a.encoder is b.encoder and a.max_length == b.max_length and a.hidden_layer == b.hidden_layer
+    )
 
 
 class Embeddings:
@@ -619,136 +456,3 @@ class Embeddings:
         raises what encoding raised."""
         out = [p.future.result(timeout) if isinstance(p, _Item) else p for p in self._parts]
         return {k: torch.stack([o[k] for o in out]) for k in out[0]}, self.hits
-
-
-def create_embed_app(
-    service: EmbeddingService,
-    *,
-    api_token: str | None = None,
-    max_body_bytes: int | None = None,
-    body_timeout: float | None = 120.0,
-):
-    """FastAPI app over ``service``: ``POST /v1/embeddings``, ``GET /v1/encoders``,
-    ``/healthz``, ``/readyz``, ``/stats``, ``/metrics`` (Prometheus).
-
-    ``api_token``: every path but the probes needs ``Authorization: Bearer <token>``
-    (401 otherwise). ``max_body_bytes``: bodies beyond it are refused (413) from their
-    ``Content-Length``, before a byte is read (default: what ``max_texts`` texts of
-    ``max_text_chars`` characters take in JSON with every character escaped, plus 64 KiB).
-    ``body_timeout``: seconds a body may take to arrive (408 after).
-    """
-    import asyncio
-    import time
-    from contextlib import asynccontextmanager
-
-    from safetensors.torch import save
-
-    from nostall.serve.budget import is_out_of_memory
-    from nostall.serve.http import error_response, harden
-
-    if max_body_bytes is None:
-        max_body_bytes = service.max_texts * service.max_text_chars * 6 + (64 << 10)
-
-    @asynccontextmanager
-    async def lifespan(app):
-        service.start()
-        try:
-            yield
-        finally:
-            await asyncio.to_thread(service.shutdown)
-
-    app = FastAPI(title="nostall embeddings", lifespan=lifespan)
-    error = error_response
-
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> Response:
-        t0 = time.perf_counter()
-        encoder, response = await _embeddings(request)
-        m = service.metrics
-        m.requests.labels(encoder, str(response.status_code)).inc()
-        m.latency.observe(time.perf_counter() - t0)
-        return response
-
-    async def _embeddings(request: Request) -> tuple[str, Response]:
-        try:
-            raw = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-            return "-", error(400, "malformed_json", f"the body is not JSON: {e}")
-        if isinstance(raw, dict) and isinstance(raw.get("texts"), str):
-            raw["texts"] = [raw["texts"]]  # one text may be given bare
-        try:
-            body = _Body.model_validate(raw)
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(x) for x in first["loc"]) or "body"
-            got = repr(first.get("input"))
-            got = got if len(got) <= 40 else got[:37] + "..."
-            message = (
-                f"{where}: {first['msg']} (got {got}); the body is {{encoder: string, "
-                "texts: [string], max_length: integer?, hidden_layer: integer?}"
-            )
-            return "-", error(422, "invalid_value", message, field=where)
-        # metrics label only the encoders there are: a client cannot make a series a name
-        label = body.encoder if body.encoder in service.names() else "unknown"
-        try:
-            job = await asyncio.to_thread(
-                service.submit, body.encoder, body.texts, body.max_length, body.hidden_layer
-            )
-            await asyncio.gather(*(asyncio.wrap_future(f) for f in job.futures))
-            tensors, hits = job.result(0)
-        except UnknownModel as e:
-            return label, error(
-                404, "unknown_encoder", str(e), encoder=e.name, encoders=e.available,
-                close=e.close,
-            )  # fmt: skip
-        except ArgumentError as e:
-            return label, error(
-                422, "invalid_value", str(e), field=getattr(e, "field", None),
-                allowed=getattr(e, "allowed", None),
-            )  # fmt: skip
-        except QueueFull as e:
-            wait = service.retry_after(len(body.texts))
-            return label, error(429, "queue_full", str(e), headers={"Retry-After": str(wait)})
-        except DeviceBusy as e:
-            wait = str(max(1, math.ceil(e.retry_after)))
-            return label, error(503, "device_busy", str(e), headers={"Retry-After": wait})
-        except NostallError as e:
-            return label, error(503, type(e).__name__, str(e))
-        except Exception as e:  # the batching thread survived it; say what happened
-            if is_out_of_memory(e):  # a batch's activations did not fit: another may
-                message = f"out of device memory while encoding: {e}"
-                return label, error(503, "device_busy", message, headers={"Retry-After": "5"})
-            return label, error(500, type(e).__name__, f"{type(e).__name__}: {e}")
-        payload = save(
-            {k: v.contiguous() for k, v in tensors.items()},
-            metadata={"encoder": body.encoder},
-        )
-        return label, Response(
-            payload,
-            media_type="application/octet-stream",
-            headers={"X-Nostall-Cache-Hits": str(hits), "X-Nostall-Texts": str(len(body.texts))},
-        )
-
-    @app.get("/v1/encoders")
-    async def encoders() -> dict:
-        return {"encoders": service.names()}
-
-    @app.get("/healthz")
-    async def healthz() -> dict:
-        return {"status": "ok"}
-
-    @app.get("/readyz")
-    async def readyz() -> Response:
-        return JSONResponse({"ready": service.ready}, 200 if service.ready else 503)
-
-    @app.get("/stats")
-    async def stats() -> dict:
-        return service.stats()
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    return harden(app, token=api_token, max_body=max_body_bytes, body_timeout=body_timeout)

@@ -29,12 +29,10 @@ speed, one that must read it for the disk's. So this fleet routes itself:
   request the pipeline rejects is a 422, never a dead replica.
 
 The router answers the worker app's routes (:mod:`nostall.serve.app`) with its error
-shape: ``POST /v1/images/generations``, ``POST /v1/videos/decode`` (routed like images,
-to the worker where the pipeline's VAE is), ``GET /v1/models``, ``/healthz``,
-``/readyz`` (503 while every worker is down), ``/metrics`` (the router's Prometheus
-metrics: answers, latency, routes, workers up and in flight), ``/`` (a status page) and
-``/status.json``, plus ``/fleet`` (its routing state); behind the same token, body and
-time limits (:func:`~nostall.serve.http.harden`).
+shape (:mod:`nostall.serve.fleet_routes`, plus ``/fleet``: its routing state), behind the
+same token, body and time limits. The rooms: this module deploys; the routing state and
+loop are :mod:`nostall.serve.fleet_router`'s (no Ray), a worker's side of a call
+:mod:`nostall.serve.fleet_worker`'s.
 
 The embedding service (:mod:`nostall.serve.embed`) runs as a second application,
 :func:`build_embed`, under the route prefix ``/embed``; the workers are given its URL
@@ -50,36 +48,24 @@ worker per GPU wherever the GPUs are; the router and the HTTP proxy run on the h
 Each worker's cache reads the store from its own node (a shared file system or a copy
 per node).
 
-Memory (:func:`~nostall.serve.routing.worker_budgets`): unless ``worker_options`` set them, each worker's pinned host tier is half the
-host's memory limit divided by ``replicas``, or what the store needs there if less (and on
-CPU workers the device tier a quarter of the limit, likewise divided), so the workers of
-one host together take what one worker alone would. On a cluster, pass ``host_budget``
-for each node's share.
+Memory (:func:`~nostall.serve.routing.worker_budgets`): unless the workers' config sets
+them, each worker's pinned host tier is half the host's memory limit divided by
+``replicas``, or what the store needs there if less (and on CPU workers the device tier a
+quarter of the limit, likewise divided), so the workers of one host together take what
+one worker alone would. On a cluster, give ``host_budget`` for each node's share.
 """
 
-# No "from __future__ import annotations": Ray pickles the deployments by value, and
-# FastAPI must see the real Request class in the routes' annotations there.
+# No "from __future__ import annotations": Ray pickles the deployments by value.
 
-import asyncio
-import base64
+import dataclasses
 import logging
-import time
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response
-
 from nostall.errors import ArgumentError
-from nostall.serve.routing import (
-    REQUEST_S,
-    failure_status,
-    route_cost,
-    route_outcome,
-    slowest_tier,
-    worker_budgets,
-)
+from nostall.serve.config import EmbedConfig, WorkerConfig
+from nostall.serve.routing import worker_budgets
 
-__all__ = ["build_embed", "build_fleet"]
+__all__ = ["build_embed", "build_fleet", "worker_config"]
 
 log = logging.getLogger(__name__)
 
@@ -90,20 +76,27 @@ def build_embed(
     device: str = "cuda",
     gpu_share: float = 0.1,
     options: dict[str, Any] | None = None,
+    config: EmbedConfig | None = None,
 ):
     """The embedding service as a Ray Serve application (one replica). Run it with
     ``serve.run(build_embed(...), name="embed", route_prefix="/embed")`` and give the
-    workers ``embed_url="http://<proxy>/embed"``. ``options``: EmbeddingService's."""
+    workers ``embed_url="http://<proxy>/embed"``. ``config`` (or ``options``, its fields
+    less the device): the service's (:class:`~nostall.serve.config.EmbedConfig`),
+    checked here, before Ray places anything."""
     from ray import serve
 
     if not 0.0 < gpu_share < 1.0:
-        raise ArgumentError(f"gpu_share={gpu_share!r} must be in (0, 1)")
-    opts = dict(options or {})
+        raise ArgumentError(f"gpu_share={gpu_share!r} must be in (0, 1)", field="gpu_share")
+    if config is None:
+        config = EmbedConfig(device=device, **(options or {}))
+    elif options:
+        raise ArgumentError("build_embed: config= and options= together; give one", field="config")
+    device = str(config.device)
 
     def embed_app():  # runs in the replica: the service and its FastAPI app live there
         from nostall.serve.embed import EmbeddingService, create_embed_app
 
-        service = EmbeddingService(models, device=device, **opts)
+        service = EmbeddingService(models, config=config)
         service.start()  # (the app's lifespan starts it too; starting twice is a no-op)
         return create_embed_app(service)
 
@@ -117,37 +110,90 @@ def build_embed(
     return deployment.bind()
 
 
+def worker_config(
+    config: WorkerConfig,
+    replicas: int,
+    *,
+    gpu: bool,
+    limit: int | None = None,
+    store_bytes: int | None = None,
+    embed_bytes: int = 0,
+) -> WorkerConfig:
+    """``config`` with one worker's share of the host filled in where it leaves the
+    budgets to their defaults (:func:`~nostall.serve.routing.worker_budgets`)."""
+    c = config.cache
+    given = {
+        k: v
+        for k, v in (
+            ("gpu_budget", c.gpu_budget),
+            ("host_budget", c.host_budget),
+            ("host_tier", c.host_tier),
+            ("external", config.external or None),
+        )
+        if v is not None
+    }
+    shares = worker_budgets(
+        replicas,
+        gpu=gpu,
+        options=given,
+        limit=limit,
+        store_bytes=store_bytes,
+        embed_bytes=embed_bytes,
+    )
+    cache = dataclasses.replace(
+        c, gpu_budget=shares.get("gpu_budget"), host_budget=shares.get("host_budget")
+    )
+    return dataclasses.replace(config, cache=cache, external=shares.get("external", 0))
+
+
 def build_fleet(
     models: str,
     *,
     replicas: int,
-    device: str = "cuda",
+    device: str | None = None,
     worker_options: dict[str, Any] | None = None,
+    config: WorkerConfig | None = None,
     down_s: float = 30.0,
     gpu_share: float = 1.0,
     token: str | None = None,
     time_limit: float | None = 600.0,
 ):
     """The Ray Serve application: ``replicas`` workers and the routing ingress. Run it
-    with ``serve.run(build_fleet(...))``. ``gpu_share``: the GPU fraction each worker
-    asks Ray for (below 1 when the embedding service shares a GPU; more than half keeps
-    one worker per GPU). ``token`` and ``time_limit``: as the worker app's
+    with ``serve.run(build_fleet(...))``. ``config``: every worker's
+    (:class:`~nostall.serve.config.WorkerConfig`; or ``worker_options``, its fields as
+    keyword arguments; ``device``: its cache's, ``"cuda"`` by default), checked here,
+    before Ray places anything; budgets it leaves to their defaults are shared out
+    (:func:`worker_config`). ``gpu_share``: the GPU fraction each worker asks Ray for
+    (below 1 when the embedding service shares a GPU; more than half keeps one worker per
+    GPU). ``token`` and ``time_limit``: as the worker app's
     (:func:`~nostall.serve.app.create_app`)."""
     from ray import serve
 
-    from nostall.serve.http import harden
-    from nostall.serve.requests import Limits
+    from nostall.serve.fleet_routes import fleet_app
+    from nostall.serve.fleet_worker import FleetMember
 
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise ArgumentError(f"replicas={replicas!r}: give one or more workers")
+        raise ArgumentError(f"replicas={replicas!r}: give one or more workers", field="replicas")
     if not 0.5 < gpu_share <= 1.0:
-        raise ArgumentError(f"gpu_share={gpu_share!r} must be in (0.5, 1]: one worker per GPU")
+        raise ArgumentError(
+            f"gpu_share={gpu_share!r} must be in (0.5, 1]: one worker per GPU", field="gpu_share"
+        )
+    if config is None:
+        config = WorkerConfig.from_kwargs(device=device or "cuda", **(worker_options or {}))
+    elif worker_options:
+        raise ArgumentError(
+            "build_fleet: config= and worker_options= together; give one", field="config"
+        )
+    elif device is not None and str(device) != str(config.cache.device):
+        raise ArgumentError(
+            f"device={device!r}, and the workers' config runs on {config.cache.device!r}; give one",
+            field="device",
+        )
+    device = str(config.cache.device)
     gpus = gpu_share if device.startswith("cuda") else 0
-    opts = dict(worker_options or {})
-    limits = opts.get("limits") or Limits()
 
     @serve.deployment(num_replicas=1, ray_actor_options={"num_gpus": gpus, "num_cpus": 1})
-    class FleetWorker:
+    class FleetWorker(FleetMember):
         def __init__(self, index: int):
             import ray
 
@@ -156,339 +202,35 @@ def build_fleet(
             from nostall.serve.worker import Worker
             from nostall.store.catalog import Store
 
-            self.index = index
-            self.actor = ray.get_runtime_context().get_actor_name()  # for operators (and tests)
-            store = Store.shared(models)  # scanned once: sizing and the worker's cache share it
-            need = None if "host_budget" in opts else store_bytes(store, 1 << 62)
+            c = config.cache
+            # scanned once: sizing and the worker's cache share it
+            store = Store.shared(models, variant=c.variant, cache_dir=c.cache_dir)
+            need = None if c.host_budget is not None else store_bytes(store, 1 << 62)
             embed = text_encoder_bytes(store) if gpus and gpu_share < 1 else 0  # beside one
-            budgets = worker_budgets(
-                replicas, gpu=bool(gpus), options=opts, store_bytes=need, embed_bytes=embed
+            mine = worker_config(
+                config, replicas, gpu=bool(gpus), store_bytes=need, embed_bytes=embed
             )
-            self.worker = Worker(store, device=device, **budgets).start()
-
-        async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
-            model = body.get("model")
-            try:
-                job = self.worker.image_job(body)
-            except Exception as e:  # checking the request: whatever it raised, its fault
-                return self._failed(e, model, fault="request")
-            out = await self._run(job)
-            if "error" in out:
-                return out
-            return {"png": out["result"].body, "seed": out["result"].info["seed"], **out["info"]}
-
-        async def decode(
-            self, model: str, raw: bytes, fps: float, mode: str, denormalize: bool
-        ) -> dict[str, Any]:
-            from safetensors.torch import load
-
-            try:
-                tensors = load(raw)
-            except Exception as e:
-                why = {"type": "malformed_body", "message": f"body is not a safetensors file ({e})"}
-                return {"status": 400, "error": why, "headers": {}, "fault": "request"}
-            try:
-                if "latents" not in tensors:
-                    raise ArgumentError(
-                        f"the safetensors body holds {sorted(tensors)[:20]}, not 'latents'",
-                        field="latents",
-                    )
-                job = self.worker.video_job(
-                    model, tensors["latents"], fps=fps, mode=mode, denormalize=denormalize
-                )
-            except Exception as e:
-                return self._failed(e, model, fault="request")
-            out = await self._run(job)
-            if "error" in out:
-                return out
-            result = out["result"]
-            return {"mp4": result.body, "frames": result.info["frames"], **out["info"]}
-
-        async def _run(self, job: Any) -> dict[str, Any]:
-            """Queue ``job`` and wait: ``{"result", "info"}``, or a failure's answer."""
-            left_out = self.worker.unavailable.get(job.model)
-            if left_out is not None:  # this worker could not read it: another may
-                why = {"type": "model_unavailable", "message": f"{job.model!r}: {left_out}"}
-                out = {"status": 503, "error": why, "headers": {}, "fault": "model"}
-                return {**out, "state": self.state()}
-            try:
-                future, _ = self.worker.submit(job)
-                result = await asyncio.wrap_future(future)
-            except Exception as e:  # an answer: a raise here reads as a worker fault
-                return self._failed(e, job.model, fault="job")
-            info = {"phases": result.phases, "switch": result.switch, "state": self.state()}
-            return {"result": result, "info": info}
-
-        def _failed(self, e: Exception, model: Any, *, fault: str) -> dict[str, Any]:
-            from nostall.serve.answers import error_answer
-
-            status, error, headers = error_answer(e, model=model, models=self.worker.names())
-            out = {"status": status, "error": error, "headers": headers, "fault": fault}
-            return {**out, "state": self.state()}
-
-        def state(self) -> dict[str, Any]:
-            s = self.worker.status()
-            return {
-                "index": self.index,
-                "actor": self.actor,
-                "models": s["models"],
-                "queue": len(s["queue"]),
-            }
+            actor = ray.get_runtime_context().get_actor_name()  # for operators (and tests)
+            super().__init__(index, Worker(store, config=mine).start(), actor)
 
         def __del__(self):
-            w = getattr(self, "worker", None)
-            if w is not None:
-                w.shutdown(timeout=60)
+            self.close()
 
-    app = FastAPI(title="nostall fleet")
-    harden(
-        app,
-        token=token,
-        body_limits={
-            "/v1/videos/decode": limits.max_latent_bytes,
-            "/v1/images/generations": max(1 << 20, limits.max_control_bytes * 4 // 3 + 4096),
-        },
-        time_limit=time_limit,
-    )
+    from nostall.serve.fleet_router import pipeline_bytes
+    from nostall.store.catalog import Store
+
+    c = config.cache
+    # Read here, once: the router's process then imports neither the store nor diffusers
+    # (a replica's start-up on two cores was mostly those imports).
+    nbytes = pipeline_bytes(Store.shared(models, variant=c.variant, cache_dir=c.cache_dir))
 
     @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
-    @serve.ingress(app)
+    @serve.ingress(fleet_app(limits=config.limits, token=token, time_limit=time_limit))
     class Router:
         def __init__(self, *workers):
-            from nostall.serve.metrics import FleetMetrics
-            from nostall.store.catalog import Store
+            from nostall.serve.fleet_router import FleetRouter
 
-            self.workers = list(workers)
-            # The process's one store of this folder, kept while the router lives.
-            self.store = store = Store.shared(models)
-            self.names = store.names()
-            self.nbytes = {
-                n: sum(
-                    c.checkpoint.nbytes
-                    for c in store.entry(n).components.values()
-                    if c is not None and c.weights
-                )
-                for n in self.names
-            }
-            self.models: list[dict[str, list[str]]] = [{} for _ in self.workers]
-            self.actors: list[str | None] = [None] * len(self.workers)
-            self.in_flight = [0] * len(self.workers)
-            self.down_until = [0.0] * len(self.workers)
-            self.request_s = REQUEST_S
-            self.routed: list[dict[str, Any]] = []
-            self.metrics = FleetMetrics(len(self.workers))
-
-        def _order(self, model: str) -> list[int]:
-            now = time.monotonic()
-            live = [i for i in range(len(self.workers)) if self.down_until[i] <= now]
-            if not live:
-                live = list(range(len(self.workers)))
-
-            def key(i: int):
-                tier = slowest_tier(self.models[i].get(model))
-                cost = route_cost(
-                    tier, self.nbytes.get(model, 0), self.in_flight[i], self.request_s
-                )
-                held = sum(
-                    self.nbytes.get(m, 0)
-                    for m, tiers in self.models[i].items()
-                    if slowest_tier(tiers) in ("gpu", "device")
-                )
-                return (cost, held, i)
-
-            return sorted(live, key=key)
-
-        def _answered(self, endpoint: str, resp: Response, t0: float) -> Response:
-            self.metrics.answered(endpoint, resp.status_code, time.perf_counter() - t0)
-            return resp
-
-        async def _route(self, model: str, call) -> tuple[int, str, dict[str, Any]] | Response:
-            """Call the cheapest worker for ``model`` (``call(handle)``), then the next as
-            :func:`route_outcome` says: ``(worker, tier it had, answer)`` or the error."""
-            from nostall.serve.http import error_response
-
-            last: dict[str, Any] | None = None
-            for i in self._order(model):
-                tier = slowest_tier(self.models[i].get(model))
-                self.in_flight[i] += 1
-                self.metrics.in_flight.labels(str(i)).set(self.in_flight[i])
-                t = time.perf_counter()
-                try:
-                    out = await call(self.workers[i])
-                except Exception as e:
-                    why = {"type": type(e).__name__, "message": f"worker {i}: {e}"}
-                    out = {"status": failure_status(e), "headers": {}, "error": why}
-                finally:
-                    self.in_flight[i] -= 1
-                    self.metrics.in_flight.labels(str(i)).set(self.in_flight[i])
-                if "state" in out:
-                    self.models[i] = out["state"]["models"]
-                    self.actors[i] = out["state"].get("actor")
-                if "error" in out:
-                    status, headers = out["status"], out["headers"]
-                    down, retry = route_outcome(status, fault=out.get("fault", "job"))
-                    if out.get("fault") == "model":
-                        retry = True  # this worker cannot read the pipeline; another may
-                    if down:
-                        wait = float(headers.get("Retry-After", 0)) or down_s
-                        self.down_until[i] = time.monotonic() + wait
-                        self.metrics.downs.labels(str(i)).inc()
-                        kind = out["error"]["type"]
-                        log.warning("worker %d down for %.0f s (%s: %s)", i, wait, status, kind)
-                    if retry:
-                        last = out
-                        continue
-                    error = dict(out["error"])
-                    kind, message = error.pop("type"), error.pop("message")
-                    return error_response(status, kind, message, headers=headers or None, **error)
-                elapsed = time.perf_counter() - t
-                self.request_s = 0.8 * self.request_s + 0.2 * elapsed
-                self.routed.append({"model": model, "worker": i, "tier_before": tier})
-                self.routed = self.routed[-1000:]
-                self.metrics.routed.labels(str(i), tier).inc()
-                return i, tier, out
-            why = last["error"] if last else {"type": "none", "message": "no worker"}
-            return error_response(
-                503,
-                "no_worker",
-                f"every worker failed; the last: {why['type']}: {why['message']}",
-                headers=(last or {}).get("headers") or None,
-            )
-
-        def _headers(self, i: int, tier: str, out: dict[str, Any]) -> dict[str, str]:
-            from nostall.serve.answers import timing_headers
-
-            return {
-                **timing_headers(out["phases"], out["switch"]),
-                "X-Nostall-Worker": str(i),
-                "X-Nostall-Routed-Tier": tier,
-            }
-
-        def _unknown(self, model: Any) -> Response | None:
-            from nostall.serve.http import error_response
-
-            if model in self.names:
-                return None
-            return error_response(404, "unknown_model", f"no model {model!r}", models=self.names)
-
-        @app.post("/v1/images/generations")
-        async def generations(self, request: Request) -> Response:
-            from nostall.serve.answers import read_body
-            from nostall.serve.app import ImageBody
-            from nostall.serve.http import error_response
-
-            t0 = time.perf_counter()
-            raw = await request.body()
-            parsed = await asyncio.to_thread(read_body, raw, ImageBody)
-            if isinstance(parsed, Response):
-                return self._answered("images", parsed, t0)
-            if parsed.n != 1:
-                bad = error_response(422, "invalid_value", "n: only 1", field="n", allowed=[1])
-                return self._answered("images", bad, t0)
-            body = parsed.model_dump(exclude_none=True)
-            model = body["model"]
-            unknown = self._unknown(model)
-            if unknown is not None:
-                return self._answered("images", unknown, t0)
-            fmt = body.pop("response_format", "b64_json")
-            for ignored in ("n", "user", "quality", "style"):
-                body.pop(ignored, None)
-            routed = await self._route(model, lambda w: w.generate.remote(body))
-            if isinstance(routed, Response):
-                return self._answered("images", routed, t0)
-            i, tier, out = routed
-            headers = self._headers(i, tier, out)
-            if fmt == "png":
-                resp = Response(out["png"], media_type="image/png", headers=headers)
-                return self._answered("images", resp, t0)
-            doc = {
-                "created": int(time.time()),
-                "data": [{"b64_json": base64.b64encode(out["png"]).decode()}],
-                "nostall": {
-                    "model": model,
-                    "worker": i,
-                    "seed": out["seed"],
-                    "phases": out["phases"],
-                    "switch": out["switch"],
-                },
-            }
-            return self._answered("images", JSONResponse(doc, headers=headers), t0)
-
-        @app.post("/v1/videos/decode")
-        async def decode_video(
-            self,
-            request: Request,
-            model: str,
-            fps: float = 16.0,
-            mode: str = "eager",
-            denormalize: bool = False,
-        ) -> Response:
-            t0 = time.perf_counter()
-            unknown = self._unknown(model)
-            if unknown is not None:
-                return self._answered("videos", unknown, t0)
-            raw = await request.body()  # at most max_latent_bytes: BodyLimit saw to it
-            routed = await self._route(
-                model, lambda w: w.decode.remote(model, raw, fps, mode, denormalize)
-            )
-            if isinstance(routed, Response):
-                return self._answered("videos", routed, t0)
-            i, tier, out = routed
-            headers = {**self._headers(i, tier, out), "X-Nostall-Frames": str(out["frames"])}
-            resp = Response(out["mp4"], media_type="video/mp4", headers=headers)
-            return self._answered("videos", resp, t0)
-
-        @app.get("/v1/models")
-        async def list_models(self) -> dict:
-            data = [{"id": n, "object": "model", "available": True} for n in self.names]
-            return {"object": "list", "data": data}
-
-        @app.get("/fleet")
-        async def fleet(self) -> dict:
-            now = time.monotonic()
-            return {
-                "workers": [
-                    {
-                        "index": i,
-                        "actor": self.actors[i],
-                        "models": self.models[i],
-                        "in_flight": self.in_flight[i],
-                        "down": self.down_until[i] > now,
-                    }
-                    for i in range(len(self.workers))
-                ],
-                "routed": self.routed[-100:],
-                "request_s": self.request_s,
-            }
-
-        @app.get("/status.json")
-        async def status_json(self) -> dict:
-            return await self.fleet()
-
-        @app.get("/", response_class=HTMLResponse)
-        async def status_page(self) -> str:
-            from nostall.serve.pages import fleet_page
-
-            return fleet_page(await self.fleet())
-
-        @app.get("/metrics")
-        async def metrics(self) -> Response:
-            from prometheus_client import CONTENT_TYPE_LATEST
-
-            now = time.monotonic()
-            for i, until in enumerate(self.down_until):
-                self.metrics.up.labels(str(i)).set(0 if until > now else 1)
-            return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-        @app.get("/healthz")
-        async def healthz(self) -> dict:
-            return {"status": "ok"}
-
-        @app.get("/readyz")
-        async def readyz(self) -> Response:
-            now = time.monotonic()
-            up = sum(until <= now for until in self.down_until)
-            return JSONResponse({"ready": up > 0, "workers_up": up}, 200 if up else 503)
+            self.fleet = FleetRouter(nbytes, list(workers), down_s=down_s)  # (fleet_of finds it)
 
     workers = [FleetWorker.options(name=f"worker-{i}").bind(i) for i in range(replicas)]
     return Router.bind(*workers)

@@ -163,11 +163,13 @@ class TokenAuth:
             await send({"type": "websocket.close", "code": 1008})
             return
         await _send_error(
-            send, 401, "unauthorized",
+            send,
+            401,
+            "unauthorized",
             "this service needs 'Authorization: Bearer <token>' (the token it was started "
             f"with: --api-token or ${TOKEN_ENV})",
             headers={"WWW-Authenticate": "Bearer"},
-        )  # fmt: skip
+        )
 
 
 # ---- the body -----------------------------------------------------------------------------
@@ -220,17 +222,22 @@ class BodyLimit:
         if declared is not None:
             if not declared.strip().isdigit():
                 await _send_error(
-                    send, 400, "malformed_request", "Content-Length is not a number",
+                    send,
+                    400,
+                    "malformed_request",
+                    "Content-Length is not a number",
                     headers={"Connection": "close"},
-                )  # fmt: skip
+                )
                 return
             if int(declared) > limit:
                 log.info("%s refused: Content-Length %s > %d", where, int(declared), limit)
                 await _send_error(
-                    send, 413, "too_large",
+                    send,
+                    413,
+                    "too_large",
                     f"a body of {int(declared)} bytes; {scope['path']} takes at most {limit}",
                     headers={"Connection": "close"},
-                )  # fmt: skip
+                )
                 return
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         seen = 0
@@ -265,19 +272,22 @@ class BodyLimit:
             log.info("%s refused: body past %d bytes", where, e.limit)
             if not started:
                 await _send_error(
-                    send, 413, "too_large",
-                    f"a body of more than {e.limit} bytes; {scope['path']} takes at most "
-                    f"{e.limit}",
+                    send,
+                    413,
+                    "too_large",
+                    f"a body of more than {e.limit} bytes; {scope['path']} takes at most {e.limit}",
                     headers={"Connection": "close"},
-                )  # fmt: skip
+                )
         except _BodyTimeout:
             log.info("%s: the body did not arrive within %g s", where, self.timeout)
             if not started:
                 await _send_error(
-                    send, 408, "body_timeout",
+                    send,
+                    408,
+                    "body_timeout",
                     f"the request body did not arrive within {self.timeout:g} s",
                     headers={"Connection": "close"},
-                )  # fmt: skip
+                )
         except ClientDisconnect:
             log.info("%s: the client left during its upload (%d bytes received)", where, seen)
 
@@ -325,12 +335,21 @@ class TimeLimit:
             # wait, not `await task`: its CancelledError would look like one aimed at us
             await asyncio.wait({task})
             if not task.cancelled() and task.exception() is not None:
-                log.info("%s %s ended with %r after its time limit", scope["method"],
-                         scope["path"], task.exception())  # fmt: skip
+                log.info(
+                    "%s %s ended with %r after its time limit",
+                    scope["method"],
+                    scope["path"],
+                    task.exception(),
+                )
             if started.is_set():  # it answered while being cancelled
                 return
-            log.info("%s %s %s: no answer within %g s; cancelled", _client(scope),
-                     scope["method"], scope["path"], seconds)  # fmt: skip
+            log.info(
+                "%s %s %s: no answer within %g s; cancelled",
+                _client(scope),
+                scope["method"],
+                scope["path"],
+                seconds,
+            )
             await _send_error(
                 send, 504, "time_limit", f"no answer within the {seconds:g} s request limit"
             )
@@ -460,8 +479,11 @@ def _protocol(header_timeout: float, limit: int | None) -> type:
         def _expire(self) -> None:
             self._deadline = None
             if self.cycle is self._waiting_after and not self.transport.is_closing():
-                log.info("closed a connection from %s: no request head within %g s",
-                         self.client, header_timeout)  # fmt: skip
+                log.info(
+                    "closed a connection from %s: no request head within %g s",
+                    self.client,
+                    header_timeout,
+                )
                 self.transport.close()
 
         def handle_events(self) -> None:
@@ -509,8 +531,11 @@ def uvicorn_config(
     import uvicorn
 
     check_server(host=host, port=port, token=token, what=what, warn=warn)
-    for name, v in (("timeout_keep_alive", timeout_keep_alive), ("header_timeout", header_timeout),
-                    ("max_header_bytes", max_header_bytes)):  # fmt: skip
+    for name, v in (
+        ("timeout_keep_alive", timeout_keep_alive),
+        ("header_timeout", header_timeout),
+        ("max_header_bytes", max_header_bytes),
+    ):
         if isinstance(v, bool) or not v > 0:
             raise ArgumentError(f"{name}={v!r}: must be > 0")
     if limit_concurrency is not None and (

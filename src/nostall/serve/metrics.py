@@ -21,22 +21,31 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "nostall_requests", "Requests answered, by endpoint, model and status code.",
-            ["endpoint", "model", "status"], registry=r,
-        )  # fmt: skip
+            "nostall_requests",
+            "Requests answered, by endpoint, model and status code.",
+            ["endpoint", "model", "status"],
+            registry=r,
+        )
         self.latency = Histogram(
-            "nostall_request_seconds", "Time from arrival to answer.", ["endpoint"],
-            buckets=_SECONDS, registry=r,
-        )  # fmt: skip
+            "nostall_request_seconds",
+            "Time from arrival to answer.",
+            ["endpoint"],
+            buckets=_SECONDS,
+            registry=r,
+        )
         self.phases = Histogram(
             "nostall_phase_seconds",
             "Per-request phase times: queue, switch, read, copy, build, text, denoise, decode.",
-            ["phase"], buckets=_SECONDS, registry=r,
-        )  # fmt: skip
+            ["phase"],
+            buckets=_SECONDS,
+            registry=r,
+        )
         self.switch_tier = Counter(
-            "nostall_switch_components", "Components a switch found, by the tier they came from.",
-            ["tier"], registry=r,
-        )  # fmt: skip
+            "nostall_switch_components",
+            "Components a switch found, by the tier they came from.",
+            ["tier"],
+            registry=r,
+        )
         self.queue_depth = Gauge("nostall_queue_depth", "Requests waiting.", registry=r)
         self.rejected = Counter(
             "nostall_rejected", "Requests refused because the queue was full (429).", registry=r
@@ -66,24 +75,32 @@ class EmbedMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "nostall_embed_requests", "Requests answered, by encoder and status code.",
-            ["encoder", "status"], registry=r,
-        )  # fmt: skip
+            "nostall_embed_requests",
+            "Requests answered, by encoder and status code.",
+            ["encoder", "status"],
+            registry=r,
+        )
         self.latency = Histogram(
-            "nostall_embed_request_seconds", "Time from arrival to answer.",
-            buckets=_SECONDS, registry=r,
-        )  # fmt: skip
+            "nostall_embed_request_seconds",
+            "Time from arrival to answer.",
+            buckets=_SECONDS,
+            registry=r,
+        )
         self.texts = Counter(
-            "nostall_embed_texts", "Texts asked for, by where they were served from.",
-            ["source"], registry=r,
-        )  # fmt: skip
+            "nostall_embed_texts",
+            "Texts asked for, by where they were served from.",
+            ["source"],
+            registry=r,
+        )
         self.batch_texts = Histogram(
             "nostall_embed_batch_texts", "Texts per encoded batch.", buckets=_BATCH, registry=r
         )
         self.batch_seconds = Histogram(
-            "nostall_embed_batch_seconds", "Time to tokenize and encode one batch.",
-            buckets=_SECONDS, registry=r,
-        )  # fmt: skip
+            "nostall_embed_batch_seconds",
+            "Time to tokenize and encode one batch.",
+            buckets=_SECONDS,
+            registry=r,
+        )
         self.queue_depth = Gauge("nostall_embed_queue_depth", "Texts waiting.", registry=r)
         self.cache_bytes = Gauge("nostall_embed_cache_bytes", "Bytes in the cache.", registry=r)
 

@@ -10,13 +10,17 @@ all. :func:`image_rules` reads them from a store entry (no weights are touched) 
 rule raises :class:`~nostall.ArgumentError` whose ``field`` names the request field and
 ``allowed`` what that field may be — the worker's HTTP app answers it as a 422.
 
+Bodies come typed (:mod:`nostall.serve.bodies`: pydantic checked their fields and JSON
+types); here only what their values may be.
+
+>>> from nostall.serve.bodies import ImageBody
 >>> limits = Limits()
 >>> rules = ImageRules("sd3", "StableDiffusion3Pipeline", multiple=16, min_side=16,
 ...                    max_side=2048, max_steps=150, max_sequence_length=512)
->>> check_image({"prompt": "a cat", "size": "512x512", "steps": 4, "seed": 1},
-...             rules, limits)["width"]
+>>> body = ImageBody(model="sd3", prompt="a cat", size="512x512", steps=4, seed=1)
+>>> check_image(body, rules, limits)["width"]
 512
->>> check_image({"prompt": "a cat", "size": "520x512"}, rules, limits)
+>>> check_image(ImageBody(model="sd3", prompt="a cat", size="520x512"), rules, limits)
 Traceback (most recent call last):
 nostall.errors.ArgumentError: size='520x512': width 520 must be a multiple of 16 in [16, 2048] for sd3 (StableDiffusion3Pipeline)
 """
@@ -35,6 +39,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from nostall.errors import ArgumentError
+from nostall.serve.bodies import ControlRef, ImageBody, LoraRef
 
 __all__ = [
     "ImageRules",
@@ -221,38 +226,25 @@ def image_rules(entry: Any, limits: Limits) -> ImageRules:
     )
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _int(body: Mapping[str, Any], name: str, default: Any, lo: int, hi: int) -> Any:
-    v = body.get(name)
+def _int(name: str, v: int | None, default: Any, lo: int, hi: int) -> Any:
     if v is None:
         return default
-    allowed = {"min": lo, "max": hi}
-    if not _is_int(v):
-        raise ArgumentError(
-            f"{name}={v!r}: must be an integer (not {type(v).__name__}) in [{lo}, {hi}]",
-            field=name, allowed=allowed,
-        )  # fmt: skip
     if not lo <= v <= hi:
-        raise ArgumentError(f"{name}={v}: must be in [{lo}, {hi}]", field=name, allowed=allowed)
+        raise ArgumentError(
+            f"{name}={v}: must be in [{lo}, {hi}]", field=name, allowed={"min": lo, "max": hi}
+        )
     return v
 
 
-def _text(body: Mapping[str, Any], name: str, limit: int, *, required: bool) -> str | None:
-    v = body.get(name)
-    if v is None and not required:
+def _text(name: str, v: str | None, limit: int, *, required: bool) -> str | None:
+    if v is None:
         return None
-    allowed = {"min_chars": 1 if required else 0, "max_chars": limit}
-    if not isinstance(v, str):
-        raise ArgumentError(
-            f"{name}: must be a string of up to {limit} characters", field=name, allowed=allowed
-        )
     if (required and not v.strip()) or len(v) > limit:
         what = "1" if required else "0"
         raise ArgumentError(
-            f"{name} of {len(v)} characters: give {what} to {limit}", field=name, allowed=allowed
+            f"{name} of {len(v)} characters: give {what} to {limit}",
+            field=name,
+            allowed={"min_chars": 1 if required else 0, "max_chars": limit},
         )
     return v
 
@@ -263,8 +255,6 @@ def _size(size: Any, rules: ImageRules) -> tuple[int, int]:
         side = min(max(1024, rules.min_side), rules.max_side)
         return side, side
     try:
-        if not isinstance(size, str):
-            raise ValueError
         w, h = (int(v) for v in size.lower().split("x"))
     except ValueError:
         raise ArgumentError(
@@ -276,8 +266,9 @@ def _size(size: Any, rules: ImageRules) -> tuple[int, int]:
             raise ArgumentError(
                 f"size={size!r}: {name} {v} must be a multiple of {rules.multiple} in "
                 f"[{rules.min_side}, {rules.max_side}] for {rules.describe()}{why}",
-                field="size", allowed=allowed,
-            )  # fmt: skip
+                field="size",
+                allowed=allowed,
+            )
     return w, h
 
 
@@ -286,56 +277,49 @@ def _unknown(field: str, kind: str, name: Any, available: list[str]) -> Argument
     close = difflib.get_close_matches(str(name), available)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     return ArgumentError(
-        f"{field}: no {kind} {name!r} on this server{hint}", field=field,
+        f"{field}: no {kind} {name!r} on this server{hint}",
+        field=field,
         allowed={"names": close or available[:50]},
-    )  # fmt: skip
+    )
 
 
 _LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 
 
 def check_loras(
-    body: Mapping[str, Any], available: list[str], limits: Limits
+    loras: list[LoraRef] | None, available: list[str], limits: Limits
 ) -> tuple[tuple[str, float], ...]:
-    """The request's ``loras`` (``[{"name", "scale"}]``) as ``((name, scale), ...)``:
-    names of the store's LoRAs only (no paths: a client names, the server resolves),
-    each once, scales finite within ±10, at most ``limits.max_loras``; else
-    :class:`~nostall.ArgumentError` naming ``loras`` and what it allows.
+    """The request's ``loras`` as ``((name, scale), ...)``: names of the store's LoRAs
+    only (no paths: a client names, the server resolves), each once, scales finite
+    within ±10, at most ``limits.max_loras``; else :class:`~nostall.ArgumentError` naming
+    ``loras`` and what it allows.
 
-    >>> check_loras({"loras": [{"name": "ghibli", "scale": 0.8}]}, ["ghibli"], Limits())
+    >>> check_loras([LoraRef(name="ghibli", scale=0.8)], ["ghibli"], Limits())
     (('ghibli', 0.8),)
     """
     from nostall.adapters import lora_weights
 
-    raw = body.get("loras")
-    if raw is None:
+    if loras is None:
         return ()
-    if not isinstance(raw, list) or len(raw) > limits.max_loras:
+    if len(loras) > limits.max_loras:
         raise ArgumentError(
             f"loras: a list of at most {limits.max_loras} {{name, scale}} objects",
-            field="loras", allowed={"max": limits.max_loras, "names": available[:50]},
-        )  # fmt: skip
-    pairs = []
-    for item in raw:
-        if not isinstance(item, Mapping) or set(item) - {"name", "scale"} or "name" not in item:
-            raise ArgumentError(
-                f"loras: {item!r} is not a {{name, scale}} object", field="loras",
-                allowed={"names": available[:50]},
-            )  # fmt: skip
-        name, scale = item["name"], item.get("scale", 1.0)
-        if not isinstance(name, str) or not _LORA_NAME.fullmatch(name) or name not in available:
-            raise _unknown("loras", "LoRA", name, available)
-        pairs.append((name, scale))
-    return tuple(lora_weights(pairs))
+            field="loras",
+            allowed={"max": limits.max_loras, "names": available[:50]},
+        )
+    for ref in loras:
+        if not _LORA_NAME.fullmatch(ref.name) or ref.name not in available:
+            raise _unknown("loras", "LoRA", ref.name, available)
+    return tuple(lora_weights([(ref.name, ref.scale) for ref in loras]))
 
 
 MAX_CONTROL_SCALE = 5.0
 
 
 def check_controlnet(
-    body: Mapping[str, Any], available: list[str], size: tuple[int, int], limits: Limits
+    control: ControlRef | None, available: list[str], size: tuple[int, int], limits: Limits
 ) -> tuple[str, Any, float] | None:
-    """The request's ``controlnet`` (``{"name", "image": base64 PNG/JPEG, "scale"}``) as
+    """The request's ``controlnet`` (a name, a base64 PNG/JPEG/WebP image, a scale) as
     ``(name, PIL image, scale)``: a name of the store's ControlNets, an image of the
     request's own ``size`` (``(width, height)``), a finite scale in [0, 5]; else
     :class:`~nostall.ArgumentError` naming ``controlnet`` (or ``controlnet.image``)."""
@@ -343,33 +327,23 @@ def check_controlnet(
     import binascii
     import io
 
-    raw = body.get("controlnet")
-    if raw is None:
+    if control is None:
         return None
-    if not isinstance(raw, Mapping) or set(raw) - {"name", "image", "scale"}:
-        raise ArgumentError(
-            "controlnet: give {name, image, scale}", field="controlnet",
-            allowed={"names": available[:50]},
-        )  # fmt: skip
-    name = raw.get("name")
-    if not isinstance(name, str) or name not in available:
+    name, scale, data = control.name, control.scale, control.image
+    if name not in available:
         raise _unknown("controlnet", "ControlNet", name, available)
-    scale = raw.get("scale", 1.0)
-    if (
-        isinstance(scale, bool)
-        or not isinstance(scale, (int, float))
-        or not 0.0 <= scale <= MAX_CONTROL_SCALE
-    ):
+    if not 0.0 <= scale <= MAX_CONTROL_SCALE:  # (NaN fails this too)
         raise ArgumentError(
             f"controlnet.scale={scale!r}: a number in [0, {MAX_CONTROL_SCALE:g}]",
-            field="controlnet.scale", allowed={"min": 0.0, "max": MAX_CONTROL_SCALE},
-        )  # fmt: skip
-    data = raw.get("image")
-    if not isinstance(data, str) or len(data) > limits.max_control_bytes * 4 // 3 + 4:
+            field="controlnet.scale",
+            allowed={"min": 0.0, "max": MAX_CONTROL_SCALE},
+        )
+    if len(data) > limits.max_control_bytes * 4 // 3 + 4:
         raise ArgumentError(
             f"controlnet.image: a base64 PNG or JPEG of at most "
-            f"{limits.max_control_bytes >> 20} MB", field="controlnet.image",
-        )  # fmt: skip
+            f"{limits.max_control_bytes >> 20} MB",
+            field="controlnet.image",
+        )
     from PIL import Image, UnidentifiedImageError
 
     allowed = f"{size[0]}x{size[1]}"
@@ -406,55 +380,55 @@ def check_controlnet(
     return name, img.convert("RGB"), float(scale)
 
 
-def check_image(body: Mapping[str, Any], rules: ImageRules, limits: Limits) -> dict[str, Any]:
-    """The image request ``body`` (parsed JSON) held to ``rules`` and ``limits``: the
-    fields an image job needs (``prompt, width, height, steps, seed, guidance,
-    negative_prompt, max_sequence_length``; a random seed if none was given), or
-    :class:`~nostall.ArgumentError` naming the first field at fault and what it
-    allows. Types are strict: ``"28"``, ``28.0`` or ``true`` is not a number of steps."""
+def check_image(body: ImageBody, rules: ImageRules, limits: Limits) -> dict[str, Any]:
+    """The image request ``body`` (typed: :class:`~nostall.serve.bodies.ImageBody`) held to
+    ``rules`` and ``limits``: the fields an image job needs (``prompt, width, height,
+    steps, seed, guidance, negative_prompt, max_sequence_length``; a random seed if none
+    was given), or :class:`~nostall.ArgumentError` naming the first field at fault and
+    what it allows."""
+    if body.n != 1:
+        raise ArgumentError("n: only 1", field="n", allowed=[1])
     if rules.kind != "image":
         raise ArgumentError(
             f"model {rules.model!r} is a {rules.kind} pipeline ({rules.pipeline}); the images "
             "endpoint serves image pipelines",
             field="model",
         )
-    prompt = _text(body, "prompt", limits.max_prompt_chars, required=True)
-    w, h = _size(body.get("size"), rules)
-    steps = _int(body, "steps", 28, 1, rules.max_steps)
-    seed = _int(body, "seed", None, 0, 2**63 - 1)
+    prompt = _text("prompt", body.prompt, limits.max_prompt_chars, required=True)
+    w, h = _size(body.size, rules)
+    steps = _int("steps", body.steps, 28, 1, rules.max_steps)
+    seed = _int("seed", body.seed, None, 0, 2**63 - 1)
     if seed is None:
         seed = random.randrange(2**31)
-    guidance = body.get("guidance")
+    guidance = body.guidance
     if guidance is not None:
-        allowed = {"min": 0.0, "max": limits.max_guidance}
         if not rules.guidance:
             raise ArgumentError(
                 f"{rules.describe()} takes no guidance", field="guidance", allowed=None
             )
-        if isinstance(guidance, bool) or not isinstance(guidance, (int, float)):
-            raise ArgumentError(
-                f"guidance={guidance!r}: must be a number in [0, {limits.max_guidance}]",
-                field="guidance", allowed=allowed,
-            )  # fmt: skip
         if not 0.0 <= guidance <= limits.max_guidance:  # NaN fails this too
             raise ArgumentError(
                 f"guidance={guidance}: must be in [0, {limits.max_guidance}]",
-                field="guidance", allowed=allowed,
-            )  # fmt: skip
+                field="guidance",
+                allowed={"min": 0.0, "max": limits.max_guidance},
+            )
         guidance = float(guidance)
-    negative = _text(body, "negative_prompt", limits.max_prompt_chars, required=False)
+    negative = _text(
+        "negative_prompt", body.negative_prompt, limits.max_prompt_chars, required=False
+    )
     if negative is not None and not rules.negative_prompt:
         raise ArgumentError(
             f"{rules.describe()} takes no negative_prompt", field="negative_prompt", allowed=None
         )
-    max_seq = body.get("max_sequence_length")
+    max_seq = body.max_sequence_length
     if max_seq is not None:
         if rules.max_sequence_length is None:
             raise ArgumentError(
                 f"{rules.describe()} takes no max_sequence_length",
-                field="max_sequence_length", allowed=None,
-            )  # fmt: skip
-        max_seq = _int(body, "max_sequence_length", None, 1, rules.max_sequence_length)
+                field="max_sequence_length",
+                allowed=None,
+            )
+        max_seq = _int("max_sequence_length", max_seq, None, 1, rules.max_sequence_length)
     return {
         "prompt": prompt,
         "width": w,
@@ -500,8 +474,9 @@ def check_video_target(rules: VideoRules, limits: Limits, *, fps: Any, mode: Any
     if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= limits.max_fps:
         raise ArgumentError(
             f"fps={fps!r}: must be a number in (0, {limits.max_fps}]",
-            field="fps", allowed={"min_exclusive": 0, "max": limits.max_fps},
-        )  # fmt: skip
+            field="fps",
+            allowed={"min_exclusive": 0, "max": limits.max_fps},
+        )
 
 
 def check_video(latents: Any, rules: VideoRules, limits: Limits, *, fps: Any, mode: Any) -> None:
@@ -530,13 +505,15 @@ def check_video(latents: Any, rules: VideoRules, limits: Limits, *, fps: Any, mo
             why = "an empty dimension"
         raise ArgumentError(
             f"latents: shape {tuple(latents.shape)} ({why}); give {want}",
-            field="latents", allowed=shape_rule,
-        )  # fmt: skip
+            field="latents",
+            allowed=shape_rule,
+        )
     if not latents.is_floating_point():
         raise ArgumentError(
             f"latents: dtype {latents.dtype}; give floating-point latents",
-            field="latents", allowed=shape_rule,
-        )  # fmt: skip
+            field="latents",
+            allowed=shape_rule,
+        )
     frames = 1 + rules.temporal * (t - 1)
     pixels = h * rules.spatial * w * rules.spatial
     if frames > limits.max_video_frames or pixels > limits.max_video_pixels:
@@ -552,8 +529,9 @@ def check_video(latents: Any, rules: VideoRules, limits: Limits, *, fps: Any, mo
         raise ArgumentError(
             f"latents: {bad} of {latents.numel()} values are NaN or infinite; they would "
             "decode to a black or garbage video",
-            field="latents", allowed=shape_rule,
-        )  # fmt: skip
+            field="latents",
+            allowed=shape_rule,
+        )
 
 
 class RuleBook:

@@ -1,7 +1,7 @@
 """What one job does on the device: the part of a worker that runs on its thread.
 
-A :class:`Runner` takes an :class:`ImageJob` (or a batch of like ones) or a
-:class:`VideoJob` through the model cache: the switch (the pipeline's components the job
+A :class:`Runner` takes an :class:`~nostall.serve.jobs.ImageJob` (or a batch of like
+ones) or a :class:`~nostall.serve.jobs.VideoJob` through the model cache: the switch (the pipeline's components the job
 needs, LoRAs fused and a ControlNet attached as it asks), the prompt's embeddings (from
 the embedding service, beside the switch, or the pipeline's own encoders), the pipeline
 call and, for a decode, the asynchronous frame pipeline into an MP4. It measures each
@@ -17,7 +17,6 @@ import os
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,35 +31,12 @@ from nostall.errors import (
 )
 from nostall.serve.budget import DeviceBudget, is_out_of_memory
 from nostall.serve.calls import PhaseClock, batch_arguments, cat_embeds, image_kwargs, sync
+from nostall.serve.jobs import ImageJob, VideoJob, activation_key
 from nostall.serve.results import Result
 
-__all__ = ["ImageJob", "Runner", "VideoJob", "activation_key"]
+__all__ = ["Runner"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ImageJob:
-    model: str
-    prompt: str
-    width: int
-    height: int
-    steps: int
-    seed: int
-    guidance: float | None = None
-    negative_prompt: str | None = None
-    max_sequence_length: int | None = None
-    loras: tuple[tuple[str, float], ...] = ()  # fused for this job (name, weight)
-    controlnet: tuple[str, Any, float] | None = None  # (name, control image, scale)
-
-
-@dataclass
-class VideoJob:
-    model: str
-    latents: torch.Tensor
-    fps: float = 16.0
-    mode: str = "eager"
-    denormalize: bool = False
 
 
 class Runner:
@@ -301,14 +277,6 @@ class Runner:
                     os.remove(path)
         phases = {"switch": switched - start, **_switch_phases(report), "decode": decode_s}
         return Result(body, "video/mp4", phases, report, {"frames": out.frames})
-
-
-def activation_key(job: ImageJob | VideoJob) -> tuple[str, str]:
-    """``(pipeline, shape)``: what a job's activation peak depends on, for the budget."""
-    if isinstance(job, VideoJob):
-        b, _, t, h, w = job.latents.shape  # (B, C, T, h, w)
-        return job.model, f"video {t}x{h}x{w} b{b} {job.mode}"
-    return job.model, f"{job.width}x{job.height} b1"
 
 
 def _switch_phases(report: dict[str, Any]) -> dict[str, float]:

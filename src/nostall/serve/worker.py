@@ -1,6 +1,6 @@
 """The generation worker: one thread that owns the GPU work, a bounded queue in front of it.
 
-HTTP handlers (:mod:`nostall.serve.app`) validate a request, :meth:`Worker.submit` it
+HTTP handlers (:mod:`nostall.serve.routes`) validate a request, :meth:`Worker.submit` it
 and wait on its future; the worker thread takes jobs in the order
 :mod:`nostall.serve.schedule` gives (pipelines already on the device first, no job
 overtaken or pushed back beyond a bound; like image jobs batched into one call when
@@ -34,14 +34,15 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from nostall.cache import ModelCache, Store
+from nostall.cache.config import resolve_config
 from nostall.cache.report import human_bytes
 from nostall.errors import (  # the job errors live in the one tree; imported here as before
     ArgumentError,
@@ -52,7 +53,10 @@ from nostall.errors import (  # the job errors live in the one tree; imported he
     ShuttingDown,
 )
 from nostall.logs import LibraryWarningsOnce
+from nostall.serve.bodies import ImageBody, parse
 from nostall.serve.budget import DeviceBudget, is_out_of_memory, unfit, video_only
+from nostall.serve.config import WorkerConfig
+from nostall.serve.jobs import ImageJob, VideoJob, activation_key
 from nostall.serve.lineup import Lineup
 from nostall.serve.requests import (
     Limits,
@@ -63,8 +67,7 @@ from nostall.serve.requests import (
     check_video,
 )
 from nostall.serve.results import Result, Settler
-from nostall.serve.runner import ImageJob, Runner, VideoJob, activation_key
-from nostall.serve.schedule import Policy
+from nostall.serve.runner import Runner
 from nostall.store.catalog import CONTROLNET_PIPELINES
 from nostall.transfer.loader import resolve_device
 
@@ -75,6 +78,7 @@ __all__ = [
     "ShuttingDown",
     "VideoJob",
     "Worker",
+    "WorkerConfig",
 ]
 
 log = logging.getLogger(__name__)
@@ -91,15 +95,14 @@ class _Ticket:
 class Worker:
     """The queue, the thread and the model cache of one serving process.
 
-    ``models``, ``device``, budgets and ``dtype`` are the :class:`~nostall.ModelCache`'s:
-    ``models`` a :class:`~nostall.cache.Store`, or a folder or mapping whose store this
+    ``models``: a :class:`~nostall.cache.Store`, or a folder or mapping whose store this
     process shares (an embedding service in the same process reads the same one).
-    ``max_queue``: jobs allowed to wait (the running one not counted). ``prepare``: at
-    :meth:`start`, do the first switch's one-time work for every pipeline
-    (:meth:`ModelCache.prepare`). ``prefetch``: move the next queued job's pipeline
-    while the current one runs. ``schedule``: how the queue may reorder and batch jobs
-    (:class:`~nostall.serve.schedule.Policy`: resident pipelines first within a fairness
-    bound; :mod:`nostall.serve.lineup` says what a batch shares).
+    ``config``: how it runs (:class:`~nostall.serve.config.WorkerConfig`: its model
+    cache's :class:`~nostall.cache.config.CacheConfig`, queue, limits, schedule, ...);
+    or give the fields of both as keyword arguments (``device="cpu", gpu_budget=...,
+    max_queue=4``), not both. ``schedule``: how the queue may reorder and batch jobs
+    (resident pipelines first within a fairness bound; :mod:`nostall.serve.lineup` says
+    what a batch shares).
 
     Device memory: ``budget`` is this process's account of the device
     (:class:`~nostall.serve.budget.DeviceBudget`, shared with an embedding service in
@@ -121,54 +124,47 @@ class Worker:
         self,
         models: Any,
         *,
-        device: str | torch.device = "cuda",
-        gpu_budget: int | None = None,
-        host_budget: int | None = None,
-        dtype: torch.dtype | None = None,
-        max_queue: int = 16,
-        limits: Limits | None = None,
-        prepare: bool = True,
-        prefetch: bool = True,
-        recent: int = 50,
-        embed_url: str | None = None,
+        config: WorkerConfig | None = None,
         budget: DeviceBudget | None = None,
-        reserve: int | None = None,
-        external: int = 0,
-        schedule: Policy | None = None,
-        lora_room: int = 0,
-        host_tier: str | None = None,
+        **options: Any,
     ):
         from nostall.serve.metrics import WorkerMetrics
 
-        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
-            raise ArgumentError(f"max_queue={max_queue!r} must be a positive number of jobs")
-        store = Store.shared(models)
+        if config is None:
+            config = WorkerConfig.from_kwargs(**options)
+        else:
+            resolve_config(WorkerConfig, config, options, "Worker")  # (refuses both)
+        self.config = config
+        c = config.cache
+        store = Store.shared(models, variant=c.variant, cache_dir=c.cache_dir)
         if budget is None:
             index = store.index.path  # the peaks are remembered beside the digest index
             budget = DeviceBudget(
-                device,
-                external=external,
-                reserve=reserve,
+                c.device,
+                external=config.external,
+                reserve=config.reserve,
                 pipelines=store.names(),
                 cache_dir=os.path.dirname(index) if index else False,
             )
-        elif reserve is not None or external:
+        elif config.reserve is not None or config.external:
             raise ArgumentError(
                 "reserve and external size the budget a worker makes; with budget= given, "
-                "set them on that DeviceBudget"
+                "set them on that DeviceBudget",
+                field="reserve" if config.reserve is not None else "external",
             )
-        elif budget.device != resolve_device(device):
+        elif budget.device != resolve_device(c.device):
             raise ArgumentError(
-                f"the budget is {budget.device}'s and the worker runs on {device}; "
-                "give it the budget of its own device"
+                f"the budget is {budget.device}'s and the worker runs on {c.device}; "
+                "give it the budget of its own device",
+                field="device",
             )
         self.budget = budget
-        gpu_budget = budget.claim_cache(store, gpu_budget, lora_room)
+        gpu_budget = budget.claim_cache(store, c.gpu_budget, config.lora_room)
+        reserve = budget.reserve if c.activation_reserve is None else c.activation_reserve
         try:
             self.cache = ModelCache(
-                store, device=device, gpu_budget=gpu_budget, host_budget=host_budget,
-                dtype=dtype, activation_reserve=budget.reserve, host_tier=host_tier,
-            )  # fmt: skip
+                store, config=replace(c, gpu_budget=gpu_budget, activation_reserve=reserve)
+            )
         except BaseException:
             budget.release("model cache")
             budget.release("LoRA base copies")
@@ -176,21 +172,22 @@ class Worker:
         self.unavailable: dict[str, str] = {}  # pipelines left out at start, and why
         self._quiet = LibraryWarningsOnce()
         self.device = self.cache.device
-        self.limits = limits or Limits()
-        self.max_queue = max_queue
+        self.limits = config.limits
+        self.max_queue = config.max_queue
         self.metrics = WorkerMetrics()
-        self.recent: deque[dict[str, Any]] = deque(maxlen=recent)
-        self._prepare = prepare
-        self._prefetch = prefetch
+        self.recent: deque[dict[str, Any]] = deque(maxlen=config.recent)
         self._queue: deque[_Ticket] = deque()  # arrival order; self._lineup orders the runs
         self._stop = threading.Event()  # set: the running job stops at its next step
-        self.runner = Runner(self.cache, budget, embed_url=embed_url, stop=self._stop)
-        self._lineup = Lineup(schedule or Policy(), self.cache, self.runner.without)
+        self.runner = Runner(self.cache, budget, embed_url=config.embed_url, stop=self._stop)
+        self._lineup = Lineup(config.schedule, self.cache, self.runner.without)
         self._cond = threading.Condition()
         self._accepting = False
         self._deadline: float | None = None  # monotonic: when drain or shutdown must end
         self._running: list[_Ticket] = []  # the batch running now
         self._thread: threading.Thread | None = None
+        self._closing = False  # shutdown began: the thread closes what is left as it ends
+        self._closing_begun = False  # _close ran (or runs): it runs once
+        self._closed = threading.Event()  # set once the cache and the rest are closed
         self._started_at = time.time()
         self._served = 0  # jobs executed, in order (only the worker thread counts)
         self._settler = Settler()  # image jobs' PNGs, encoded off the worker thread
@@ -203,7 +200,7 @@ class Worker:
         if self._thread is not None:
             return self
         names = self._servable()
-        if self._prepare:
+        if self.config.prepare:
             self.cache.prepare()  # the device tier, the host tier's pinning, the copy stream
             for name in names:
                 try:
@@ -280,32 +277,52 @@ class Worker:
     def shutdown(self, timeout: float = 300.0) -> None:
         """Take no more jobs, fail the queued ones, let the running one finish (within
         ``timeout``, or what is left of a :meth:`drain`'s grace: then it is stopped at its
-        next step), close. A job still running after that keeps the cache open (closing
-        it under the job would pull its weights away); the process exits without it."""
+        next step), then close the cache, the embedding client and the PNG encoder and
+        give back the device budget's claims. A job still running after that (one that
+        reaches no denoising step) keeps them open under it, since closing the cache
+        would pull its weights away: the worker's thread closes them as that job ends.
+        Returns without waiting for it; the process may exit meanwhile."""
         with self._cond:
             if self._deadline is None:
                 self._deadline = time.monotonic() + timeout
             timeout = self._left()
+            self._closing = True  # from here, the thread's end closes what is left
         self._cut("the worker is shutting down", stop=False)
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
                 self._stop.set()  # its next step ends it
-                self._thread.join(min(5.0, max(1.0, timeout / 10)))
-            if self._thread.is_alive():
+                thread.join(min(5.0, max(1.0, timeout / 10)))
+            if thread.is_alive():
                 log.warning(
                     "the running job did not stop within %.1f s of shutdown; the model "
-                    "cache is left open under it",
+                    "cache stays open under it and closes when it ends",
                     timeout,
                 )
                 return
-            self._thread = None
+        self._close()
+
+    def _close(self) -> None:
+        """Close what the worker owns and give back its claims, once (called by
+        :meth:`shutdown`, or by the worker's thread as its last job ends after one)."""
+        with self._cond:
+            if self._closing_begun:
+                return
+            self._closing_begun = True
         self._settler.close()
         self.cache.close()
         self.budget.release("model cache")
         self.budget.release("LoRA base copies")
         self._quiet.remove()
         self.runner.close()
+        self._closed.set()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the worker closed its cache and gave back its budget (after
+        :meth:`shutdown`, or after the job it left running ended)."""
+        return self._closed.is_set()
 
     def _servable(self) -> list[str]:
         """The pipelines to serve: a folder that cannot be read is left out; a job that
@@ -379,29 +396,30 @@ class Worker:
         names = [n for n in self.names() if n not in getattr(self, "unavailable", {})]
         return self.rules.serving(kind, names)
 
-    def image_job(self, body: dict[str, Any]) -> ImageJob:
-        """An :class:`ImageJob` from an images/generations body (parsed JSON), checked
-        against its pipeline before it is queued (:func:`~nostall.serve.requests.check_image`):
-        :class:`~nostall.ArgumentError` naming the field and what it allows,
-        :class:`~nostall.UnknownModel` for a model the store lacks."""
-        model = body.get("model")
-        if not isinstance(model, str):
-            raise ArgumentError("model: give a model name", field="model", allowed=self.names())
+    def image_job(self, body: ImageBody | Mapping[str, Any]) -> ImageJob:
+        """An :class:`ImageJob` from an images/generations body (an
+        :class:`~nostall.serve.bodies.ImageBody`, or the parsed JSON, whose fields and
+        types are checked here), held to its pipeline before it is queued
+        (:func:`~nostall.serve.requests.check_image`): :class:`~nostall.ArgumentError`
+        naming the field and what it allows, :class:`~nostall.UnknownModel` for a model
+        the store lacks."""
+        body = parse(ImageBody, body)
+        model = body.model
         try:
             fields = check_image(body, self.rules.image(model), self.limits)
         except ArgumentError as e:
             if e.field == "model":
                 e.allowed = self._serving("image")
             raise
-        loras = check_loras(body, self.cache.loras(), self.limits)
+        loras = check_loras(body.loras, self.cache.loras(), self.limits)
         control = None
-        if body.get("controlnet") is not None:
+        if body.controlnet is not None:
             if self.cache.store.entry(model).class_name not in CONTROLNET_PIPELINES:
                 raise ArgumentError(
                     f"controlnet: {model!r} takes no ControlNet here", field="controlnet"
                 )
             size = (fields["width"], fields["height"])
-            control = check_controlnet(body, self.cache.controlnets(), size, self.limits)
+            control = check_controlnet(body.controlnet, self.cache.controlnets(), size, self.limits)
         return ImageJob(model=model, **fields, loras=loras, controlnet=control)
 
     def video_job(
@@ -448,6 +466,10 @@ class Worker:
         while True:
             batch = self._next()
             if not batch:
+                with self._cond:
+                    closing = self._closing
+                if closing:  # a shutdown that could not wait for this thread's last job
+                    self._close()
                 return
             began, results = time.perf_counter(), []
             try:
@@ -489,7 +511,7 @@ class Worker:
 
     def _prefetch_next(self, current: str | None) -> None:
         """Move in the pipeline the next batch would switch to, while this one runs."""
-        if not self._prefetch:
+        if not self.config.prefetch:
             return
         with self._cond:
             wanted = self._lineup.wanted()
@@ -519,8 +541,13 @@ class Worker:
             if is_out_of_memory(e):
                 with self._cond:
                     self._lineup.alone()
-            log.warning("a batch of %d %s jobs failed (%s: %s); running them one by one",
-                        len(jobs), first.model, type(e).__name__, e)  # fmt: skip
+            log.warning(
+                "a batch of %d %s jobs failed (%s: %s); running them one by one",
+                len(jobs),
+                first.model,
+                type(e).__name__,
+                e,
+            )
             results = None
         if results is None:
             # Outside the handler: its traceback's frames held the failed batch's tensors,
