@@ -2,10 +2,32 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
 import pytest
 import torch
 
 from support import sample_tensors
+
+
+def pytest_configure(config):
+    # Under pytest-xdist each worker gets its share of the cores for torch's intra-op threads,
+    # and so do the processes it starts (OMP_NUM_THREADS is inherited). Oversubscribed OpenMP
+    # threads spin waiting for a core: on 2 cores, 2 workers of 2 threads each decoded a tiny
+    # Wan VAE in 1.6-2.6 s against 0.16-0.24 s with 1 thread each. An OMP_NUM_THREADS the
+    # caller set wins.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 1 or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -64,3 +86,154 @@ def s3_env(s3_server, monkeypatch):
     yield s3_server
     if remote._DEFAULT is not None:
         remote._DEFAULT.close()
+
+
+# ---- Python processes forked from one that has imported torch and diffusers -------------
+
+# A new Python that imports torch spends ~3 s of CPU on it (~12 s with diffusers); a fork of
+# a process that has imported them, ~0.05 s. The server forks on request; each child is a
+# process of its own (pid, memory, descriptors, signals, exit status) running ``python -c
+# CODE ARGV`` as a fresh one would, in the requester's environment and folder, its stdin,
+# stdout and (optionally) stderr on FIFOs. It reaps a child only when polled, so a killed
+# child stays a zombie, as one whose Popen nobody waited on does.
+_FORK_SERVER = r"""
+import gc, json, os, sys, types
+exec(sys.argv[1], {})
+# Out of the collector's sight: a child's exit then tears down only its own objects
+# (1.05 s with torch loaded, 0.38 s frozen), and copies fewer of the server's pages.
+gc.freeze()
+for line in sys.stdin:
+    req = json.loads(line)
+    if req["op"] == "poll":
+        pid, status = os.waitpid(req["pid"], os.WNOHANG)
+        print(json.dumps(os.waitstatus_to_exitcode(status) if pid else None), flush=True)
+        continue
+    pid = os.fork()
+    if pid:
+        print(json.dumps(pid), flush=True)
+        continue
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    # The FIFOs in the order the requester opens them: stdin, stdout, stderr.
+    modes = (os.O_RDONLY, os.O_WRONLY, os.O_WRONLY)
+    for fd, (path, flags) in enumerate(zip(req["fifos"], modes)):
+        if path:
+            os.dup2(os.open(path, flags), fd)
+    sys.stdin = open(0, closefd=False)
+    sys.stdout = open(1, "w", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    sys.argv = ["-c", *req["argv"]]
+    sys.modules["__main__"] = main = types.ModuleType("__main__")
+    exec(compile(req["code"], "<string>", "exec"), main.__dict__)
+    break  # the end of the script: Python exits 0 (an exception: 1), atexit handlers run
+"""
+
+
+class ForkedProcess:
+    """A process the fork server started, with the part of ``subprocess.Popen``'s surface
+    the tests use (text streams)."""
+
+    def __init__(self, server: _ForkServer, pid: int, fifos: list[str | None]):
+        self._server, self.pid, self.returncode = server, pid, None
+        self.stdin = open(fifos[0], "w")  # noqa: SIM115 (closed by the caller, as Popen's)
+        self.stdout = open(fifos[1])  # noqa: SIM115
+        self.stderr = open(fifos[2]) if fifos[2] else None  # noqa: SIM115
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server.request({"op": "poll", "pid": self.pid})
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"fork {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL, and no wait: the process stays a zombie until polled."""
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+        err: list[str] = []
+        reader = self.stderr and threading.Thread(target=lambda: err.append(self.stderr.read()))
+        if reader:
+            reader.start()
+        self.stdin.close()
+        out = self.stdout.read()
+        if reader:
+            reader.join()
+        self.wait(timeout)
+        return out, err[0] if err else None
+
+
+# What the fork server imports: what a child then imports costs it nothing. (Not
+# nostall.cli: its console reads the environment when it is made.)
+_PRELOAD = (
+    "import torch, transformers, nostall.memory, nostall.video, nostall.cache\n"
+    "from diffusers import AutoencoderKLWan, DiffusionPipeline"
+)
+
+
+class _ForkServer:
+    def __init__(self, folder):
+        self.folder, self.count, self.lock = folder, 0, threading.Lock()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _FORK_SERVER, _PRELOAD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def request(self, req: dict):
+        with self.lock:
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        assert line, f"the fork server died (exit status {self.proc.poll()})"
+        return json.loads(line)
+
+    def start(self, code: str, argv: tuple[str, ...], stderr: bool) -> ForkedProcess:
+        with self.lock:
+            self.count += 1
+            n = self.count
+        fifos = [str(self.folder / f"{n}.{s}") for s in ("in", "out", "err")]
+        if not stderr:
+            fifos[2] = None
+        for f in filter(None, fifos):
+            os.mkfifo(f)
+        env, cwd = dict(os.environ), os.getcwd()
+        req = {"op": "fork", "code": code, "argv": list(argv), "env": env, "cwd": cwd}
+        pid = self.request({**req, "fifos": fifos})
+        return ForkedProcess(self, pid, fifos)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+@pytest.fixture(scope="session")
+def fork_python(tmp_path_factory):
+    """``fork_python(code, *argv, stderr=False)``: a :class:`ForkedProcess` running
+    ``python -c code *argv``, forked from a server that has imported torch and diffusers
+    (started on first use). Its stdin and stdout are pipes, and its stderr with
+    ``stderr=True`` (else the test's)."""
+    servers: list[_ForkServer] = []
+    folder = tmp_path_factory.mktemp("forks")
+
+    def start(code: str, *argv: str, stderr: bool = False) -> ForkedProcess:
+        if not servers:
+            servers.append(_ForkServer(folder))
+        return servers[0].start(code, argv, stderr)
+
+    yield start
+    for server in servers:
+        server.close()

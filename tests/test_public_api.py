@@ -3,6 +3,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import nostall
 from nostall import errors
 
@@ -13,6 +15,7 @@ def test_all_is_exactly_the_public_surface():
         "api",
         "errors",
         "store",
+        "verify",
         "logs",
         "memory",
         "transfer",
@@ -62,12 +65,14 @@ def test_errors_moved_into_the_tree_keep_their_old_import_paths():
     )
 
 
+@pytest.mark.slow
 def test_import_works_with_asserts_stripped():
     # python -O drops assert statements: no invariant may rest on one.
     code = "import nostall, nostall.video, nostall.store, nostall.transfer.loader\n"
     subprocess.run([sys.executable, "-O", "-c", code], check=True)
 
 
+@pytest.mark.slow
 def test_import_does_not_touch_cuda():
     code = (
         "import torch, nostall, nostall.cli, nostall.bench.load\n"

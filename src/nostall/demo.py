@@ -175,8 +175,13 @@ def _from_bucket(tmp: str, path: str, dev, loader, ref, sync) -> DemoRow | None:
                 else:
                     os.environ[k] = v
     size = os.path.getsize(path)
-    return DemoRow("nostall (s3://, rclone on loopback)", s, size / s / 1e9,
-                   _same(result.tensors, ref), result.stats)  # fmt: skip
+    return DemoRow(
+        "nostall (s3://, rclone on loopback)",
+        s,
+        size / s / 1e9,
+        _same(result.tensors, ref),
+        result.stats,
+    )
 
 
 def run_video_demo(*, device: str, path: str) -> tuple[str, object, list]:
@@ -377,8 +382,15 @@ def run_serve_demo(*, device: str) -> tuple[list[dict], bool]:
         pipe.set_progress_bar_config(disable=True)
         kw = {"max_sequence_length": 16} if b["model"] == "flux" else {}
         g = torch.Generator(device=dev.type).manual_seed(b["seed"])
-        image = pipe(prompt=b["prompt"], height=32, width=32, num_inference_steps=2,
-                     generator=g, output_type="pil", **kw).images[0]  # fmt: skip
+        image = pipe(
+            prompt=b["prompt"],
+            height=32,
+            width=32,
+            num_inference_steps=2,
+            generator=g,
+            output_type="pil",
+            **kw,
+        ).images[0]
         return np.asarray(image)
 
     rows: list[dict] = []
@@ -387,8 +399,9 @@ def run_serve_demo(*, device: str) -> tuple[list[dict], bool]:
         paths = write_store(tmp, ("flux", "sdxl"))
         service = EmbeddingService(tmp, device=dev)
         with BackgroundServer(create_embed_app(service)) as embed:
-            worker = Worker(tmp, device=dev, gpu_budget=2_000_000, host_budget=64 << 20,
-                            embed_url=embed.url)  # fmt: skip
+            worker = Worker(
+                tmp, device=dev, gpu_budget=2_000_000, host_budget=64 << 20, embed_url=embed.url
+            )
             with BackgroundServer(create_app(worker)) as srv, httpx.Client(timeout=300) as c:
                 for i, model in enumerate(("flux", "sdxl", "flux", "sdxl")):
                     b = body(model, seed=i)
@@ -408,8 +421,13 @@ def run_serve_demo(*, device: str) -> tuple[list[dict], bool]:
                     ok &= row.get("equal", False)
                     rows.append(row)
                 r = c.post(f"{srv.url}/v1/images/generations", json=body("flux-pro", 0))
-                rows.append({"model": "flux-pro", "status": r.status_code,
-                             "error": r.json()["error"]["message"]})  # fmt: skip
+                rows.append(
+                    {
+                        "model": "flux-pro",
+                        "status": r.status_code,
+                        "error": r.json()["error"]["message"],
+                    }
+                )
                 ok &= r.status_code == 404
     return rows, ok
 
@@ -447,8 +465,8 @@ def serve_table(rows: list[dict]):
     from nostall.cache.report import human_bytes
 
     table = Table(title="POST /v1/images/generations", title_justify="left")
-    for col in ("model", "HTTP", "switched in (tier)", "moved", "switch s", "text s", "denoise s",
-                "image = diffusers"):  # fmt: skip
+    cols = ("model", "HTTP", "switched in (tier)", "moved", "switch s", "text s", "denoise s")
+    for col in (*cols, "image = diffusers"):
         table.add_column(col, justify="right" if col.endswith(" s") or col == "moved" else "left")
     for r in rows:
         if "phases" not in r:
@@ -456,10 +474,15 @@ def serve_table(rows: list[dict]):
             continue
         ph = r["phases"]
         table.add_row(
-            r["model"], str(r["status"]), r["switched"], human_bytes(r["moved_bytes"]),
-            f"{ph.get('switch', 0):.3f}", f"{ph.get('text', 0):.3f}", f"{ph.get('denoise', 0):.3f}",
+            r["model"],
+            str(r["status"]),
+            r["switched"],
+            human_bytes(r["moved_bytes"]),
+            f"{ph.get('switch', 0):.3f}",
+            f"{ph.get('text', 0):.3f}",
+            f"{ph.get('denoise', 0):.3f}",
             "yes" if r["equal"] else "[red]NO[/red]",
-        )  # fmt: skip
+        )
     return table
 
 
@@ -520,12 +543,15 @@ def _show_switch(console, device: str) -> bool:
     console.print(
         f"A random LoRA fused into FLUX's resident weights in {lora['fuse_s'] * 1e3:.1f} ms "
         f"(the image moved by {lora['changed']:.3f}; "
-        + ("diffusers' load_lora_weights not checked: no peft)" if diff is None
-           else f"{diff:.1e} from diffusers' load_lora_weights + set_adapters)")
+        + (
+            "diffusers' load_lora_weights not checked: no peft)"
+            if diff is None
+            else f"{diff:.1e} from diffusers' load_lora_weights + set_adapters)"
+        )
         + "; the base after it: "
         + ("bit for bit." if lora["base_back"] else "[red]DIFFERENT[/red]."),
         highlight=False,
-    )  # fmt: skip
+    )
     return lora["base_back"] and lora["changed"] > 1e-3 and (diff is None or diff < 1e-4)
 
 

@@ -43,6 +43,7 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_the_grouped_kernel_writes_every_weight_within_one_rounding():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import torch
 
@@ -23,3 +25,18 @@ def reference(folder, name: str, *, device: str = "cpu") -> np.ndarray:
     pipe = DiffusionPipeline.from_pretrained(str(folder / name)).to(device)
     pipe.set_progress_bar_config(disable=True)
     return run(pipe, name, device=device)
+
+
+def switches(store, *names: str, device: str = "cpu", tier: str = "shared:t") -> list:
+    """What a worker of ``host_tier=tier`` does: switch to each pipeline named, in order;
+    per switch ``[name, {role: tier}, sha256 of the image's bytes]``."""
+    import nostall
+
+    rows = []
+    with nostall.ModelCache(store, device=device, host_tier=tier) as cache:
+        for name in names:
+            with cache.use(name) as pipe:
+                image = run(pipe, name, device=device)
+            tiers = {c.role: c.tier for c in cache.last_report.components}
+            rows.append([name, tiers, hashlib.sha256(image.tobytes()).hexdigest()])
+    return rows

@@ -5,12 +5,14 @@ from __future__ import annotations
 import shutil
 
 import numpy as np
+import pytest
 
 import nostall
 
 from cache_support import reference, run
 
 
+@pytest.mark.slow
 def test_a_store_in_a_bucket_serves_the_images_of_the_local_store(store, s3_env, tmp_path):
     shutil.copytree(store / "flux", f"{s3_env.root}/stores/tiny/flux")
     shutil.copytree(store / "sdxl", f"{s3_env.root}/stores/tiny/sdxl")
@@ -32,6 +34,7 @@ def test_a_store_in_a_bucket_serves_the_images_of_the_local_store(store, s3_env,
             assert np.array_equal(run(pipe, "flux"), reference(store, "flux"))
 
 
+@pytest.mark.slow
 def test_a_store_in_a_bucket_is_indexed_ahead_as_a_local_one(store, s3_env, tmp_path):
     from nostall.store.catalog import Store
 

@@ -8,7 +8,7 @@ from importlib.metadata import entry_points
 
 import pytest
 import typer
-from cli_support import run_cli, runner
+from cli_support import fork_cli, run_cli, runner
 
 from nostall.cli import app
 from nostall.cli.app import check_output, gigabytes, in_range, main, parse_dtype
@@ -38,10 +38,10 @@ def test_every_command_group_is_registered():
         assert f" {command} " in bench.output, command
 
 
-def test_a_library_error_is_one_line_not_a_traceback(tmp_path):
+def test_a_library_error_is_one_line_not_a_traceback(tmp_path, fork_python):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\x10\x00")
-    proc = run_cli("load", str(bad), "--device", "cpu")
+    proc = fork_cli(fork_python, "load", str(bad), "--device", "cpu")
     assert proc.returncode == 2
     assert "CheckpointError" in proc.stdout and str(bad) in proc.stdout.replace("\n", "")
     assert "Traceback" not in proc.stdout + proc.stderr
@@ -114,6 +114,7 @@ def test_python_m_nostall_cli_runs_the_command():
     assert proc.returncode == 0 and proc.stdout.startswith("nostall "), proc.stderr
 
 
+@pytest.mark.slow
 def test_sigterm_stops_a_command_as_ctrl_c_does_leaving_no_partial_file(tmp_path, wan_folder):
     import signal
     import subprocess
@@ -126,21 +127,10 @@ def test_sigterm_stops_a_command_as_ctrl_c_does_leaving_no_partial_file(tmp_path
     torch.save(torch.randn(1, 16, 21, 30, 52, generator=torch.Generator().manual_seed(0)), z)
     out = tmp_path / "out"
     out.mkdir()
+    args = ["decode", str(z), "--vae", str(wan_folder), "-o", str(out / "clip.mp4")]
+    args += ["--no-denormalize", "--device", "cpu"]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "nostall.cli",
-            "decode",
-            str(z),
-            "--vae",
-            str(wan_folder),
-            "-o",
-            str(out / "clip.mp4"),
-            "--no-denormalize",
-            "--device",
-            "cpu",
-        ],
+        [sys.executable, "-m", "nostall.cli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli_support import plain, run_cli, runner, usage_error
+from cli_support import fork_cli, plain, runner, usage_error
 
 from nostall.cli import app
 
@@ -46,13 +46,15 @@ def test_bad_load_options_are_usage_errors(ckpt_file, option, value, says):
     usage_error(result, says)
 
 
-def test_a_pool_beyond_the_machine_is_a_one_line_error(ckpt_file):
-    proc = run_cli("load", str(ckpt_file), "--device", "cpu", "--pool-gb", str(10**6))
+def test_a_pool_beyond_the_machine_is_a_one_line_error(ckpt_file, fork_python):
+    args = ["load", str(ckpt_file), "--device", "cpu", "--pool-gb", str(10**6)]
+    proc = fork_cli(fork_python, *args)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "--pool-gb" in plain(proc.stdout + proc.stderr)
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_load_reads_a_bucket_and_keeps_the_disk_tier(ckpt_file, s3_env, tmp_path):
     import os
     import shutil

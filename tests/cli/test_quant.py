@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -98,14 +97,13 @@ def test_non_finite_weights_are_one_clean_line(tmp_path, monkeypatch, capsys):
     assert _left(tmp_path, src.name) == []
 
 
-def _run_cli(args, **kw):
-    return subprocess.Popen(
-        [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw
-    )
+def _start(fork_python, code: str, *argv: str):
+    """``python -c code argv`` as a process of its own, forked by the conftest's fixture."""
+    return fork_python(code, *argv, stderr=True)
 
 
 @pytest.mark.parametrize("kind", ["file", "folder"])
-def test_a_file_size_limit_is_a_clean_error_and_leaves_nothing(tmp_path, kind):
+def test_a_file_size_limit_is_a_clean_error_and_leaves_nothing(tmp_path, kind, fork_python):
     # RLIMIT_FSIZE makes write() fail with EFBIG (Python ignores SIGXFSZ), as a full
     # disk fails it with ENOSPC: the output needs 128 KiB, the limit allows 64.
     src, out = _source(tmp_path, kind)
@@ -116,7 +114,7 @@ def test_a_file_size_limit_is_a_clean_error_and_leaves_nothing(tmp_path, kind):
         "from nostall.cli import main\n"
         "main()\n"
     )
-    proc = _run_cli(["-c", code, "quantize", str(src), str(out)])
+    proc = _start(fork_python, code, "quantize", str(src), str(out))
     stdout, stderr = proc.communicate(timeout=120)
     flat = squashed(stdout)
     assert proc.returncode == 2, stdout + stderr
@@ -127,7 +125,8 @@ def test_a_file_size_limit_is_a_clean_error_and_leaves_nothing(tmp_path, kind):
 
 
 @pytest.mark.parametrize("kind", ["file", "folder"])
-def test_sigterm_mid_write_removes_the_partial_output_and_exits_143(tmp_path, kind):
+@pytest.mark.slow
+def test_sigterm_mid_write_removes_the_partial_output_and_exits_143(tmp_path, kind, fork_python):
     src, out = _source(tmp_path, kind)
     partial = tmp_path / (out.name + ".partial")
     ready = tmp_path / "ready"
@@ -155,7 +154,7 @@ def test_sigterm_mid_write_removes_the_partial_output_and_exits_143(tmp_path, ki
             """
         )
     )
-    proc = _run_cli([str(script), str(ready), str(src), str(out)])
+    proc = _start(fork_python, script.read_text(), str(ready), str(src), str(out))
     try:
         deadline = time.monotonic() + 60
         while not ready.exists():

@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 from cli_support import plain, run_cli, runner, usage_error
@@ -26,27 +24,24 @@ pool.close()
 
 
 @contextlib.contextmanager
-def holder(root, keep=True):
-    p = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, str(root), "keep" if keep else "-"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+def holder(fork_python, root, keep=True):
+    """The holder, a process forked by ``fork_python`` (the conftest's fixture)."""
+    p = fork_python(_HOLDER, str(root), "keep" if keep else "-")
     try:
         assert p.stdout.readline().strip() == "ready"
         yield p
     finally:
         p.stdin.close()
         assert p.wait(30) == 0
+        p.stdout.close()
 
 
 def _files(root) -> list[str]:
     return sorted(os.listdir(root))
 
 
-def test_ls_shows_a_live_segment_and_the_process_holding_it(tmp_path):
-    with holder(tmp_path, keep=False) as p:
+def test_ls_shows_a_live_segment_and_the_process_holding_it(tmp_path, fork_python):
+    with holder(fork_python, tmp_path, keep=False) as p:
         result = runner.invoke(app, ["shm", "ls", "--root", str(tmp_path)])
         assert result.exit_code == 0, result.output
         text = plain(result.output)
@@ -56,9 +51,9 @@ def test_ls_shows_a_live_segment_and_the_process_holding_it(tmp_path):
     assert after.exit_code == 0 and "no shared pool segments" in after.output  # the holder left
 
 
-def test_rm_refuses_a_segment_in_use_and_removes_it_once_free(tmp_path):
+def test_rm_refuses_a_segment_in_use_and_removes_it_once_free(tmp_path, fork_python):
     args = ["shm", "rm", "t", "--root", str(tmp_path)]
-    with holder(tmp_path) as p:
+    with holder(fork_python, tmp_path) as p:
         busy = runner.invoke(app, args)
         assert busy.exit_code == 2 and "Traceback" not in busy.output
         assert f"is open in process(es) {p.pid}-" in plain(busy.output)
@@ -73,8 +68,8 @@ def test_rm_refuses_a_segment_in_use_and_removes_it_once_free(tmp_path):
     assert again.exit_code == 1 and "no shared pool segment 't'" in again.output
 
 
-def test_rm_force_removes_a_segment_in_use(tmp_path):
-    with holder(tmp_path):
+def test_rm_force_removes_a_segment_in_use(tmp_path, fork_python):
+    with holder(fork_python, tmp_path):
         result = runner.invoke(app, ["shm", "rm", "t", "--root", str(tmp_path), "--force"])
         assert result.exit_code == 0, result.output
         assert _files(tmp_path) == []
@@ -82,8 +77,9 @@ def test_rm_force_removes_a_segment_in_use(tmp_path):
     assert _files(tmp_path) == []
 
 
-def test_the_command_refuses_without_a_traceback(tmp_path):
-    with holder(tmp_path) as p:
+@pytest.mark.slow
+def test_the_command_refuses_without_a_traceback(tmp_path, fork_python):
+    with holder(fork_python, tmp_path) as p:
         result = run_cli("shm", "rm", "t", "--root", str(tmp_path), timeout=120)
         assert result.returncode == 2, result.stderr
         assert "Traceback" not in result.stdout + result.stderr
@@ -103,16 +99,16 @@ def test_bad_names_and_roots_are_usage_errors(tmp_path, args, says):
     usage_error(runner.invoke(app, ["shm", *args]), says)
 
 
-def test_keep_marks_a_segment_to_outlive_its_last_worker_and_off_unmarks_it(tmp_path):
+def test_keep_marks_a_segment_to_outlive_its_last_worker_and_off_unmarks_it(tmp_path, fork_python):
     result = runner.invoke(app, ["shm", "keep", "t", "--root", str(tmp_path)])
     assert result.exit_code == 0, result.output  # before any worker made it
-    with holder(tmp_path, keep=False):
+    with holder(fork_python, tmp_path, keep=False):
         pass
     assert any(f.startswith("nostall-") and f.endswith("-t") for f in _files(tmp_path))
     ls = plain(runner.invoke(app, ["shm", "ls", "--root", str(tmp_path)]).output)
     assert re.search(r"\bt 8\.4 MB .* - yes\b", ls), ls
     off = runner.invoke(app, ["shm", "keep", "t", "--off", "--root", str(tmp_path)])
     assert off.exit_code == 0, off.output
-    with holder(tmp_path, keep=False):
+    with holder(fork_python, tmp_path, keep=False):
         pass
     assert _files(tmp_path) == []  # its last worker removed it this time

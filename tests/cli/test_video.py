@@ -4,7 +4,7 @@ before the VAE is read."""
 from __future__ import annotations
 
 import pytest
-from cli_support import plain, run_cli, runner, usage_error
+from cli_support import fork_cli, plain, runner, usage_error
 
 from nostall.cli import app
 
@@ -92,19 +92,21 @@ def test_decode_several_files_back_to_back(tmp_path, wan_folder, sync):
     assert sorted(p.name for p in out.iterdir()) == ["clip0.npy", "clip1.npy", "clip2.npy"]
 
 
-def test_decode_checks_every_input_before_decoding(tmp_path, wan_folder):
+def test_decode_checks_every_input_before_decoding(tmp_path, wan_folder, fork_python):
     good = _latents(tmp_path / "a.pt")
     bad = _latents(tmp_path / "b.pt", channels=12)
     out = tmp_path / "out"
     out.mkdir()
-    proc = run_cli("decode", good, bad, "--vae", str(wan_folder), "-o", str(out),
-                   "--device", "cpu", "--no-denormalize")  # fmt: skip
+    options = ["--vae", str(wan_folder), "-o", str(out), "--device", "cpu", "--no-denormalize"]
+    proc = fork_cli(fork_python, "decode", good, bad, *options)
     assert proc.returncode == 2, proc.stderr
     assert "b.pt" in proc.stdout and "channels" in proc.stdout and "Traceback" not in proc.stderr
     assert list(out.iterdir()) == []  # not even the good one was started
 
 
-def test_decode_refuses_a_batch_before_the_vae_is_loaded_in_one_line(tmp_path, wan_folder):
+def test_decode_refuses_a_batch_before_the_vae_is_loaded_in_one_line(
+    tmp_path, wan_folder, fork_python
+):
     """Latents files hold one video each: a batch of 2 is refused before the VAE is read
     (this VAE's weights are missing: loading it would fail first) and before the bar,
     one line naming the file, the shape and the fix, exit 2."""
@@ -120,7 +122,7 @@ def test_decode_refuses_a_batch_before_the_vae_is_loaded_in_one_line(tmp_path, w
     out = tmp_path / "out"
     out.mkdir()
     options = ["--vae", str(vae), "-o", str(out), "--device", "cpu", "--no-denormalize"]
-    proc = run_cli("decode", str(batch), *options)  # as a user runs it: the one line
+    proc = fork_cli(fork_python, "decode", str(batch), *options)  # as a user sees it: one line
     said = plain(proc.stdout)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and "decoding" not in said

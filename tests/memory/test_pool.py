@@ -3,7 +3,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
-import subprocess
 import sys
 import threading
 import time
@@ -248,7 +247,7 @@ def test_a_dropped_pool_stops_pinning_and_unmaps():
     assert arena._map is None
 
 
-def test_pool_open_at_exit_is_torn_down(tmp_path):
+def test_pool_open_at_exit_is_torn_down(fork_python):
     # The README's pattern: create a pool and exit while it is still pinning. The pin
     # thread must be stopped and joined by the pool's exit hook, not killed mid-call, and
     # every segment it registered unregistered. A fake CUDA runtime holds the first
@@ -277,10 +276,11 @@ def test_pool_open_at_exit_is_torn_down(tmp_path):
         "assert inside.wait(30)\n"
         "atexit.register(ended.set)  # runs before the pool's hook: exit hooks run LIFO\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert "Traceback" not in out.stderr
-    (line,) = [x for x in out.stdout.splitlines() if x.startswith("teardown")]
+    p = fork_python(code, stderr=True)  # a process of its own (the conftest's fixture)
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    (line,) = [x for x in stdout.splitlines() if x.startswith("teardown")]
     registered, unregistered = map(int, line.split()[1:])
     assert 1 <= registered < 128  # stopped mid-way, not left to pin all 128 slabs
     assert unregistered == registered

@@ -7,8 +7,6 @@ import json
 import logging
 import os
 import pathlib
-import subprocess
-import sys
 import threading
 import time
 
@@ -46,10 +44,10 @@ for line in sys.stdin:
 
 
 class Peer:
-    def __init__(self):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", PEER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-        )
+    """Another process (forked by ``fork_python``, the conftest's fixture), driven by PEER."""
+
+    def __init__(self, fork_python):
+        self.proc = fork_python(PEER)
         self("import torch; from nostall.memory import SharedPool")
 
     def send(self, code: str) -> None:
@@ -84,6 +82,7 @@ class Peer:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
+        self.proc.stdout.close()
 
 
 def _threads(pid: int) -> int:
@@ -94,10 +93,24 @@ def _threads(pid: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def peer():
-    p = Peer()
+def peer(fork_python):
+    p = Peer(fork_python)
     yield p
     p.close()
+
+
+@pytest.fixture
+def new_peer(fork_python):
+    """``new_peer()``: a Peer of the test's own, closed at its end."""
+    peers = []
+
+    def make() -> Peer:
+        peers.append(Peer(fork_python))
+        return peers[-1]
+
+    yield make
+    for p in peers:
+        p.close()
 
 
 @pytest.fixture
@@ -171,32 +184,29 @@ def test_the_loader_reads_once_per_host(tmp_path, peer, open_pool, ckpt_file, te
     assert pool.stats().in_use == 0  # the hit's hold was given back
 
 
-def test_a_killed_holder_and_a_killed_writer_leak_nothing(tmp_path, open_pool):
-    peer = Peer()
-    try:
-        w_offset = peer(
-            f"pool = SharedPool('t', 32 << 20, root={str(tmp_path)!r})\n"
-            "a = pool.allocate(8 << 20, key='a'); a.tensor.fill_(1); a.release()\n"
-            "held = pool.lookup('a')\n"
-            "w = pool.allocate(8 << 20, key='w'); w.tensor.fill_(2)\n"
-            "out = w.offset"
-        )
-        pool = open_pool()
-        s = pool.stats()
-        assert (s.in_use, s.cached, s.free) == (16 * MiB, 0, 16 * MiB)
-        assert pool.evict("a") == 0  # held by the peer
-        peer.kill()  # SIGKILL with a reader's hold and a half-written block
-        s = pool.stats()  # the next transaction drops the dead process
-        assert (s.in_use, s.cached, s.free, s.blocks) == (0, 8 * MiB, 24 * MiB, 1)
-        assert pool.cached_keys() == ["a"] and pool.lookup("w") is None
-        assert _index(tmp_path)["attached"] == {process_id(os.getpid()): 1}
-        # The half-written block's bytes are reused; the dead reader's entry is evictable.
-        big = pool.allocate(24 * MiB)
-        assert big.offset == w_offset == 8 * MiB
-        big.release()
-        assert pool.evict("a") == 8 * MiB
-    finally:
-        peer.close()
+def test_a_killed_holder_and_a_killed_writer_leak_nothing(tmp_path, open_pool, new_peer):
+    peer = new_peer()
+    w_offset = peer(
+        f"pool = SharedPool('t', 32 << 20, root={str(tmp_path)!r})\n"
+        "a = pool.allocate(8 << 20, key='a'); a.tensor.fill_(1); a.release()\n"
+        "held = pool.lookup('a')\n"
+        "w = pool.allocate(8 << 20, key='w'); w.tensor.fill_(2)\n"
+        "out = w.offset"
+    )
+    pool = open_pool()
+    s = pool.stats()
+    assert (s.in_use, s.cached, s.free) == (16 * MiB, 0, 16 * MiB)
+    assert pool.evict("a") == 0  # held by the peer
+    peer.kill()  # SIGKILL with a reader's hold and a half-written block
+    s = pool.stats()  # the next transaction drops the dead process
+    assert (s.in_use, s.cached, s.free, s.blocks) == (0, 8 * MiB, 24 * MiB, 1)
+    assert pool.cached_keys() == ["a"] and pool.lookup("w") is None
+    assert _index(tmp_path)["attached"] == {process_id(os.getpid()): 1}
+    # The half-written block's bytes are reused; the dead reader's entry is evictable.
+    big = pool.allocate(24 * MiB)
+    assert big.offset == w_offset == 8 * MiB
+    big.release()
+    assert pool.evict("a") == 8 * MiB
 
 
 def test_lru_eviction_across_processes_never_evicts_a_held_entry(tmp_path, peer, open_pool):
@@ -618,38 +628,35 @@ def _exits_cleanly(p: Peer) -> None:
 
 
 @pytest.mark.parametrize("damage", ["garbage", "deleted", "other capacity"])
-def test_a_damaged_index_never_changes_a_held_block(tmp_path, open_pool, caplog, damage):
-    holder = Peer()
-    try:
-        offsets = holder(HOLD.format(root=str(tmp_path)))
-        assert offsets == [0, 14 * MiB, 28 * MiB]
-        _damage(tmp_path, damage)
-        with caplog.at_level(logging.WARNING):
-            other = open_pool(20 * MiB)  # asks for less: attaches to the 48 MiB in use
-        assert other.capacity == 48 * MiB and "using it as it is" in caplog.text
-        assert os.path.getsize(other.path) == 48 * MiB
-        mine = []
-        with pytest.raises(PoolExhausted):
-            for i in range(24):  # every byte the pool hands out, held until it is full
-                mine.append(other.allocate(2 * MiB, key=("other", i)))
-                mine[-1].tensor.fill_(1)
-        assert [b.offset for b in mine] == [42 * MiB, 44 * MiB, 46 * MiB]
-        for b in mine:
-            b.release()
-        assert holder(READ) == [True, True, True]
-        # The holder's handles still name their entries: the writer's release publishes.
-        holder("for b in held: b.release()")
-        hit = other.lookup("c")
-        assert hit is not None and hit.tensor.view(torch.int32).eq(7000).all()
-        hit.release()
-        assert other.lookup("a") is None  # read while the index was lost: not served again
-        _exits_cleanly(holder)
-        assert other.stats().free == 42 * MiB - 14 * MiB  # a, b freed; c cached
-    finally:
-        holder.close()
+def test_a_damaged_index_never_changes_a_held_block(tmp_path, open_pool, caplog, damage, new_peer):
+    holder = new_peer()
+    offsets = holder(HOLD.format(root=str(tmp_path)))
+    assert offsets == [0, 14 * MiB, 28 * MiB]
+    _damage(tmp_path, damage)
+    with caplog.at_level(logging.WARNING):
+        other = open_pool(20 * MiB)  # asks for less: attaches to the 48 MiB in use
+    assert other.capacity == 48 * MiB and "using it as it is" in caplog.text
+    assert os.path.getsize(other.path) == 48 * MiB
+    mine = []
+    with pytest.raises(PoolExhausted):
+        for i in range(24):  # every byte the pool hands out, held until it is full
+            mine.append(other.allocate(2 * MiB, key=("other", i)))
+            mine[-1].tensor.fill_(1)
+    assert [b.offset for b in mine] == [42 * MiB, 44 * MiB, 46 * MiB]
+    for b in mine:
+        b.release()
+    assert holder(READ) == [True, True, True]
+    # The holder's handles still name their entries: the writer's release publishes.
+    holder("for b in held: b.release()")
+    hit = other.lookup("c")
+    assert hit is not None and hit.tensor.view(torch.int32).eq(7000).all()
+    hit.release()
+    assert other.lookup("a") is None  # read while the index was lost: not served again
+    _exits_cleanly(holder)
+    assert other.stats().free == 42 * MiB - 14 * MiB  # a, b freed; c cached
 
 
-def test_after_a_rebuild_no_process_rebuilds_again(tmp_path, open_pool, caplog):
+def test_after_a_rebuild_no_process_rebuilds_again(tmp_path, open_pool, caplog, new_peer):
     # Two workers, the index damaged, a third with a smaller budget: the issue's servers.
     count = (
         "import logging\n"
@@ -659,44 +666,37 @@ def test_after_a_rebuild_no_process_rebuilds_again(tmp_path, open_pool, caplog):
         "logging.getLogger('nostall').addHandler(Count())\n"
     )
     work = "for i in range(5): pool.stats(); pool.lookup('a'); pool.allocate(1).release()\n"
-    peers = [Peer(), Peer()]
-    try:
+    peers = [new_peer(), new_peer()]
+    for p in peers:
+        p(count + f"pool = SharedPool('t', 48 << 20, root={str(tmp_path)!r})")
+    peers[0]("held = pool.allocate(14 << 20, key='a'); held.release(); held = pool.lookup('a')")
+    _write_index(tmp_path, "garbage")
+    with caplog.at_level(logging.WARNING):
+        third = open_pool(20 * MiB)
         for p in peers:
-            p(count + f"pool = SharedPool('t', 48 << 20, root={str(tmp_path)!r})")
-        peers[0]("held = pool.allocate(14 << 20, key='a'); held.release(); held = pool.lookup('a')")
-        _write_index(tmp_path, "garbage")
-        with caplog.at_level(logging.WARNING):
-            third = open_pool(20 * MiB)
-            for p in peers:
-                p(work)
-            exec(work, {"pool": third})
-        rebuilds = [caplog.text.count("rebuilding it")] + [p("out = Count.n") for p in peers]
-        assert sum(rebuilds) == 1, rebuilds
-        assert _index(tmp_path)["capacity"] == 48 * MiB
-        assert peers[0]("out = held.tensor.numel()") == 14 * MiB
-    finally:
-        for p in peers:
-            p.close()
+            p(work)
+        exec(work, {"pool": third})
+    rebuilds = [caplog.text.count("rebuilding it")] + [p("out = Count.n") for p in peers]
+    assert sum(rebuilds) == 1, rebuilds
+    assert _index(tmp_path)["capacity"] == 48 * MiB
+    assert peers[0]("out = held.tensor.numel()") == 14 * MiB
 
 
 @pytest.mark.parametrize("keep", [False, True])
-def test_a_view_that_outlived_its_pool_never_faults(tmp_path, keep):
+def test_a_view_that_outlived_its_pool_never_faults(tmp_path, keep, new_peer):
     # A pool closed with a block still held: the view stays mapped. Removing the segment
     # (the last pool left) or recreating it at another capacity (kept) gives the next pool
     # a new file; the old one is never truncated under the view.
-    p = Peer()
-    try:
-        out = p(
-            f"pool = SharedPool('t', 16 << 20, root={str(tmp_path)!r}{', keep=True' * keep})\n"
-            "b = pool.allocate(14 << 20, key='k'); view = b.tensor; view.fill_(7)\n"
-            "pool.close(timeout=0)\n"
-            f"again = SharedPool('t', 4 << 20, root={str(tmp_path)!r})\n"
-            "out = [again.capacity, view.eq(7).all().item()]"
-        )
-        assert out == [4 * MiB, True]
-        _exits_cleanly(p)
-    finally:
-        p.close()
+    p = new_peer()
+    out = p(
+        f"pool = SharedPool('t', 16 << 20, root={str(tmp_path)!r}{', keep=True' * keep})\n"
+        "b = pool.allocate(14 << 20, key='k'); view = b.tensor; view.fill_(7)\n"
+        "pool.close(timeout=0)\n"
+        f"again = SharedPool('t', 4 << 20, root={str(tmp_path)!r})\n"
+        "out = [again.capacity, view.eq(7).all().item()]"
+    )
+    assert out == [4 * MiB, True]
+    _exits_cleanly(p)
 
 
 def test_a_segment_in_use_that_cannot_be_mapped_is_refused(tmp_path, peer, monkeypatch):
@@ -737,26 +737,25 @@ def test_a_kept_segment_outlives_its_last_pool(tmp_path, open_pool):
 
 
 @pytest.mark.parametrize("then", ["reopen", "destroy"])
-def test_a_killed_last_holder_leaves_files_the_next_open_reuses(tmp_path, open_pool, then):
-    p = Peer()
-    try:
-        p(
-            f"pool = SharedPool('t', 8 << 20, root={str(tmp_path)!r})\n"
-            "pool.allocate(1, key='k').release(); held = pool.lookup('k')"
-        )
-        p.kill()
-        path = segment_path("t", str(tmp_path))
-        assert os.path.exists(path) and os.listdir(path + ".procs")  # nobody ran to clean
-        if then == "destroy":
-            assert SharedPool.destroy("t", root=tmp_path) is True  # nobody has it open
-        else:
-            pool = open_pool(8 * MiB)
-            assert pool.cached_keys() == ["k"] and pool.stats().in_use == 0
-            assert os.listdir(path + ".procs") == [os.path.basename(pool._book.journal.path)]
-            pool.close()
-        assert os.listdir(tmp_path) == []
-    finally:
-        p.close()
+def test_a_killed_last_holder_leaves_files_the_next_open_reuses(
+    tmp_path, open_pool, then, new_peer
+):
+    p = new_peer()
+    p(
+        f"pool = SharedPool('t', 8 << 20, root={str(tmp_path)!r})\n"
+        "pool.allocate(1, key='k').release(); held = pool.lookup('k')"
+    )
+    p.kill()
+    path = segment_path("t", str(tmp_path))
+    assert os.path.exists(path) and os.listdir(path + ".procs")  # nobody ran to clean
+    if then == "destroy":
+        assert SharedPool.destroy("t", root=tmp_path) is True  # nobody has it open
+    else:
+        pool = open_pool(8 * MiB)
+        assert pool.cached_keys() == ["k"] and pool.stats().in_use == 0
+        assert os.listdir(path + ".procs") == [os.path.basename(pool._book.journal.path)]
+        pool.close()
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_pool_whose_segment_was_destroyed_by_force_is_closed(tmp_path, open_pool):

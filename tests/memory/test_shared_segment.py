@@ -33,8 +33,8 @@ def test_a_name_that_would_collide_with_another_names_files_is_refused(tmp_path,
     assert info.value.field == "name"
 
 
-def test_segments_lists_each_segment_with_who_has_it_open(tmp_path):
-    peer = Peer()
+def test_segments_lists_each_segment_with_who_has_it_open(tmp_path, fork_python):
+    peer = Peer(fork_python)
     try:
         peer(
             f"pool = SharedPool('busy', 16 << 20, root={str(tmp_path)!r})\n"

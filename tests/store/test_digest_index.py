@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import sqlite3
 
 from nostall.store.digest import FileIdentity
@@ -85,20 +84,30 @@ def test_a_write_that_fails_later_is_bypassed_said_once(tmp_path, caplog, monkey
     assert len(caplog.records) == 1 and "disk I/O error" in caplog.records[0].getMessage()
 
 
-def _writer(folder: str, start: int) -> None:
-    index = DigestIndex(folder)
-    for n in range(start, start + 150):
-        index.put(_ident(n), f"/m/{n}", f"d{n}")
+# A writer process: 150 rows from argv[2] on, into the index in argv[1], once told to go.
+_WRITER = """
+import sys
+from nostall.store.digest import FileIdentity
+from nostall.store.digest_index import DigestIndex
+index, start = DigestIndex(sys.argv[1]), int(sys.argv[2])
+print("ready", flush=True)
+sys.stdin.readline()
+for n in range(start, start + 150):
+    index.put(FileIdentity(1, n, 10, 20, 30), f"/m/{n}", f"d{n}")
+"""
 
 
-def test_two_processes_writing_at_once_lose_nothing(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_writer, args=(str(tmp_path), k * 1000)) for k in range(2)]
+def test_two_processes_writing_at_once_lose_nothing(tmp_path, fork_python):
+    # Processes of their own (forked by the conftest's fixture), started together.
+    procs = [fork_python(_WRITER, str(tmp_path), str(k * 1000)) for k in range(2)]
     for p in procs:
-        p.start()
+        assert p.stdout.readline() == "ready\n"
     for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    for p in procs:
+        p.communicate(timeout=60)
+        assert p.returncode == 0
     index = DigestIndex(tmp_path)
     assert all(
         index.get(_ident(k * 1000 + n)) == f"d{k * 1000 + n}" for k in range(2) for n in range(150)

@@ -38,6 +38,7 @@ def big_tensors(mb: int) -> dict[str, torch.Tensor]:
     return {f"w{i}": torch.randn(n, generator=g) for i in range(8)}
 
 
+@pytest.mark.slow
 def test_a_file_in_a_bucket_loads_as_the_local_file(s3_env, ckpt_file, tensors, tmp_path):
     url = put(s3_env, "one", "ckpt/model.safetensors", ckpt_file)
     got = nostall.load_state_dict(url)
@@ -47,6 +48,7 @@ def test_a_file_in_a_bucket_loads_as_the_local_file(s3_env, ckpt_file, tensors, 
     assert all(p == ckpt_file for p in leftovers)
 
 
+@pytest.mark.slow
 def test_a_sharded_folder_loads_from_a_prefix_and_is_kept_for_the_next_process(s3_env, tmp_path):
     tensors = sample_tensors(seed=3)
     local = tmp_path / "sharded"
@@ -68,6 +70,7 @@ def test_a_sharded_folder_loads_from_a_prefix_and_is_kept_for_the_next_process(s
     assert_same(result.tensors, tensors)
 
 
+@pytest.mark.slow
 def test_a_model_loads_from_a_bucket(s3_env, tmp_path):
     pytest.importorskip("diffusers")
     from diffusers import AutoencoderKL
@@ -81,6 +84,7 @@ def test_a_model_loads_from_a_bucket(s3_env, tmp_path):
         assert torch.equal(got.state_dict()[k], v), k
 
 
+@pytest.mark.slow
 def test_the_object_replaced_mid_download_is_an_error_and_nothing_is_kept(tmp_path, monkeypatch):
     import nostall.store.remote as remote
 
@@ -111,6 +115,7 @@ def test_the_object_replaced_mid_download_is_an_error_and_nothing_is_kept(tmp_pa
     assert not [p for p in cache.rglob("*") if p.name.endswith(".safetensors") or ".part" in p.name]
 
 
+@pytest.mark.slow
 def test_the_server_gone_mid_download_is_a_remote_error_within_bounded_time(tmp_path, monkeypatch):
     import nostall.store.remote as remote
 
@@ -134,6 +139,7 @@ def test_the_server_gone_mid_download_is_a_remote_error_within_bounded_time(tmp_
     assert not [p for p in cache.rglob("*") if p.name.endswith(".safetensors") or ".part" in p.name]
 
 
+@pytest.mark.slow
 def test_missing_bucket_object_and_credentials_are_named(s3_env, monkeypatch, tmp_path):
     import nostall.store.remote as remote
 
@@ -157,6 +163,7 @@ def test_missing_bucket_object_and_credentials_are_named(s3_env, monkeypatch, tm
         nostall.load_state_dict("s3://empty/x.safetensors")
 
 
+@pytest.mark.slow
 def test_a_changed_object_is_mirrored_again_and_its_stale_disk_copy_dropped(s3_env, tmp_path):
     a, b = sample_tensors(seed=1), sample_tensors(seed=2)
     save_file(a, str(tmp_path / "a.safetensors"))
@@ -172,6 +179,7 @@ def test_a_changed_object_is_mirrored_again_and_its_stale_disk_copy_dropped(s3_e
     assert kept.read_bytes() == (tmp_path / "b.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 def test_a_bad_header_in_the_bucket_is_refused_at_mirror_time(s3_env, tmp_path):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes((10**9).to_bytes(8, "little") + b"{}")

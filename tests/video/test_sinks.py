@@ -6,7 +6,6 @@ import errno
 import json
 import math
 import os
-import subprocess
 import sys
 import textwrap
 from fractions import Fraction
@@ -32,7 +31,6 @@ from nostall.video.sinks import (  # noqa: E402
 )
 
 H, W = 48, 64
-SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def _frames(n: int, h: int = H, w: int = W) -> np.ndarray:
@@ -280,27 +278,19 @@ _DISK_FULL_SCRIPT = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def disk_full_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    """Run every file sink into a 100 kB file-size limit, in one subprocess (saves imports)."""
+def disk_full_results(tmp_path_factory: pytest.TempPathFactory, fork_python) -> dict[str, dict]:
+    """Run every file sink into a 100 kB file-size limit, in one process of its own (forked
+    by the conftest's fixture: the limit is never this process's)."""
     if sys.platform == "win32":
         pytest.skip("RLIMIT_FSIZE is POSIX")
     paths = {}
     for kind in KINDS:
         folder = tmp_path_factory.mktemp(f"full_{kind}")
         paths[kind] = str(folder / KINDS[kind][1]) + ("/" if kind == "png" else "")
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", _DISK_FULL_SCRIPT, "100000", *paths.values()],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr
-    by_path = json.loads(proc.stdout.strip().splitlines()[-1])
+    proc = fork_python(_DISK_FULL_SCRIPT, "100000", *paths.values(), stderr=True)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    by_path = json.loads(out.strip().splitlines()[-1])
     return {kind: by_path[path] for kind, path in paths.items()}
 
 

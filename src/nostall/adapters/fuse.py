@@ -291,8 +291,9 @@ def _join(
         launches.far = True
     for i, (x, w, (up, a), (down, b)) in enumerate(found):
         key = (i, *max(a, b), str(dst.dtype), str(dev))
-        launches.add(key, (base if i == 0 else dst, up, down, w * x.scale, dst, x.rank),
-                     (param, base, parts))  # fmt: skip
+        launches.add(
+            key, (base if i == 0 else dst, up, down, w * x.scale, dst, x.rank), (param, base, parts)
+        )
     return True
 
 
@@ -345,8 +346,11 @@ class _Launches:
         except Exception as e:
             if self.launched:  # weights written by launches: nothing to redo one by one
                 raise
-            log.warning("the grouped LoRA kernel failed (%s: %s); fusing weight by weight",
-                        type(e).__name__, e)  # fmt: skip
+            log.warning(
+                "the grouped LoRA kernel failed (%s: %s); fusing weight by weight",
+                type(e).__name__,
+                e,
+            )
             kernels.disable()
             self.failed = True
             pending, self.groups = self.groups, {}

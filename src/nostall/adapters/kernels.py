@@ -46,24 +46,49 @@ def _kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def fuse(base, up, down, out, M, N, K, alpha,
-             sbm, sbn, sum_, suk, sdk, sdn, som, son,
-             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    def fuse(
+        base,
+        up,
+        down,
+        out,
+        M,
+        N,
+        K,
+        alpha,
+        sbm,
+        sbn,
+        sum_,
+        suk,
+        sdk,
+        sdn,
+        som,
+        son,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+    ):
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
             rk = k0 + tl.arange(0, BK)
-            a = tl.load(up + rm[:, None] * sum_ + rk[None, :] * suk,
-                        mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)  # fmt: skip
-            b = tl.load(down + rk[:, None] * sdk + rn[None, :] * sdn,
-                        mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)  # fmt: skip
+            a = tl.load(
+                up + rm[:, None] * sum_ + rk[None, :] * suk,
+                mask=(rm[:, None] < M) & (rk[None, :] < K),
+                other=0.0,
+            )
+            b = tl.load(
+                down + rk[:, None] * sdk + rn[None, :] * sdn,
+                mask=(rk[:, None] < K) & (rn[None, :] < N),
+                other=0.0,
+            )
             acc += tl.dot(a, b)  # (BM, BK) @ (BK, BN), float32 accumulate
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         w = tl.load(base + rm[:, None] * sbm + rn[None, :] * sbn, mask=mask, other=0.0)
         res = w.to(tl.float32) + alpha * acc  # rounded once, below
-        tl.store(out + rm[:, None] * som + rn[None, :] * son, res.to(out.dtype.element_ty),
-                 mask=mask)  # fmt: skip
+        tl.store(
+            out + rm[:, None] * som + rn[None, :] * son, res.to(out.dtype.element_ty), mask=mask
+        )
 
     _KERNEL = fuse
     return fuse
@@ -77,8 +102,7 @@ def _group_kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def fuse_group(ptrs, dims, alphas, like, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr):  # fmt: skip
+    def fuse_group(ptrs, dims, alphas, like, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         # one launch for many weights: program (tile, g) writes tile ``tile`` of weight g;
         # ptrs[g] = (base, up, down, out) addresses, dims[g] = (M, N, K), all row-major
         g = tl.program_id(1)
@@ -98,10 +122,16 @@ def _group_kernel() -> Any:
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for k0 in range(0, k, BK):
                 rk = k0 + tl.arange(0, BK)
-                a = tl.load(up + rm[:, None] * k + rk[None, :],
-                            mask=(rm[:, None] < m) & (rk[None, :] < k), other=0.0)  # fmt: skip
-                b = tl.load(down + rk[:, None] * n + rn[None, :],
-                            mask=(rk[:, None] < k) & (rn[None, :] < n), other=0.0)  # fmt: skip
+                a = tl.load(
+                    up + rm[:, None] * k + rk[None, :],
+                    mask=(rm[:, None] < m) & (rk[None, :] < k),
+                    other=0.0,
+                )
+                b = tl.load(
+                    down + rk[:, None] * n + rn[None, :],
+                    mask=(rk[:, None] < k) & (rn[None, :] < n),
+                    other=0.0,
+                )
                 acc += tl.dot(a, b)
             mask = (rm[:, None] < m) & (rn[None, :] < n)
             idx = rm[:, None] * n + rn[None, :]
@@ -206,8 +236,16 @@ def launch_group(tables: Tables, ptrs: torch.Tensor | None = None) -> bool:
     # (a CPU tensor only under Triton's interpreter, TRITON_INTERPRET=1: the CPU tests)
     where = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
     with where:
-        kernel[(tables.most, n)](p, tables.dims, tables.alphas, tables.like, BM=_BLOCK,
-                                 BN=_BLOCK, BK=tables.bk, num_warps=8)  # fmt: skip
+        kernel[(tables.most, n)](
+            p,
+            tables.dims,
+            tables.alphas,
+            tables.like,
+            BM=_BLOCK,
+            BN=_BLOCK,
+            BK=tables.bk,
+            num_warps=8,
+        )
     return True
 
 
@@ -250,9 +288,25 @@ def fused_addmm(
     grid = (-(-m // _BLOCK), -(-n // _BLOCK))
     with torch.cuda.device(base.device):
         kernel[grid](
-            base, up, down, out, m, n, k, float(alpha),
-            base.stride(0), base.stride(1), up.stride(0), up.stride(1),
-            down.stride(0), down.stride(1), out.stride(0), out.stride(1),
-            BM=_BLOCK, BN=_BLOCK, BK=bk, num_warps=8,
-        )  # fmt: skip
+            base,
+            up,
+            down,
+            out,
+            m,
+            n,
+            k,
+            float(alpha),
+            base.stride(0),
+            base.stride(1),
+            up.stride(0),
+            up.stride(1),
+            down.stride(0),
+            down.stride(1),
+            out.stride(0),
+            out.stride(1),
+            BM=_BLOCK,
+            BN=_BLOCK,
+            BK=bk,
+            num_warps=8,
+        )
     return True

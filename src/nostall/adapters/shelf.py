@@ -200,16 +200,16 @@ class Shelf:
             if os.path.isfile(p):
                 return p
         names = self.names()
+        close = difflib.get_close_matches(name, names)
         where = self.folder or "(no loras folder: give a path)"
         raise UnknownModel(
             f"no LoRA {name!r} in {where}"
-            + (f"; did you mean {', '.join(difflib.get_close_matches(name, names))}?"
-               if difflib.get_close_matches(name, names) else "")
+            + (f"; did you mean {', '.join(close)}?" if close else "")
             + (f" (there: {', '.join(names[:20])})" if names else ""),
             name=name,
             available=names,
-            close=difflib.get_close_matches(name, names),
-        )  # fmt: skip
+            close=close,
+        )
 
     def get(self, name: str, pipeline_class: str, pipeline_folder: str | None = None) -> Lora:
         """The LoRA ``name`` for ``pipeline_class``, read now if its file is new or changed

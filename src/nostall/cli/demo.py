@@ -41,8 +41,12 @@ def demo(
         with usage_errors("--video"):
             check_sink_path(video)
     ok = show(
-        console, device=device, nbytes=size_mb << 20, video=video or None, switch=switch,
+        console,
+        device=device,
+        nbytes=size_mb << 20,
+        video=video or None,
+        switch=switch,
         serve=serve,
-    )  # fmt: skip
+    )
     if not ok:
         raise typer.Exit(1)

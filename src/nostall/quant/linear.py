@@ -62,7 +62,12 @@ def _scaled(x, weight, scale, bias):
         bias = bias.to(torch.bfloat16)
     # weight.t() is the column-major (K, N) operand scaled_mm wants: no copy.
     y = torch._scaled_mm(
-        xq, weight.t(), scale_a=xs, scale_b=sb, bias=bias, out_dtype=torch.bfloat16,
+        xq,
+        weight.t(),
+        scale_a=xs,
+        scale_b=sb,
+        bias=bias,
+        out_dtype=torch.bfloat16,
         use_fast_accum=True,
-    )  # fmt: skip
+    )
     return y.reshape(*lead, n)

@@ -152,9 +152,18 @@ def bias_residual(y: torch.Tensor, bias: torch.Tensor | None, h: torch.Tensor) -
 def _launch_bias(y, bias, h, out, *, block: int = 4096) -> None:
     n = y.numel()
     _bias_add[(triton.cdiv(n, block),)](
-        y, bias, y if h is None else h, out, n, _channel_step(y), y.shape[1],
-        HAS_RES=h is not None, ROUND=_ROUND[y.dtype], BLOCK=block, num_warps=8,
-    )  # fmt: skip
+        y,
+        bias,
+        y if h is None else h,
+        out,
+        n,
+        _channel_step(y),
+        y.shape[1],
+        HAS_RES=h is not None,
+        ROUND=_ROUND[y.dtype],
+        BLOCK=block,
+        num_warps=8,
+    )
 
 
 def rms_silu_cl_into(
@@ -181,13 +190,27 @@ def rms_silu_cl_into(
         block_c = triton.next_power_of_2(C)
         block_p = max(1, 4096 // block_c)
         _rms_silu_cl[(triton.cdiv(pixels, block_p),)](
-            x, gamma.reshape(-1), x if bias is None else bias, out,
-            pixels, C, T, H, W,
-            out.stride(0), out.stride(2), out.stride(3), out.stride(4),
-            float(scale), _EPS,
-            HAS_BIAS=bias is not None, BLOCK_P=block_p, BLOCK_C=block_c,
-            ROUND=_ROUND[x.dtype], num_warps=8,
-        )  # fmt: skip
+            x,
+            gamma.reshape(-1),
+            x if bias is None else bias,
+            out,
+            pixels,
+            C,
+            T,
+            H,
+            W,
+            out.stride(0),
+            out.stride(2),
+            out.stride(3),
+            out.stride(4),
+            float(scale),
+            _EPS,
+            HAS_BIAS=bias is not None,
+            BLOCK_P=block_p,
+            BLOCK_C=block_c,
+            ROUND=_ROUND[x.dtype],
+            num_warps=8,
+        )
         return
     if bias is not None:
         x = x + bias.view(1, -1, 1, 1, 1)
@@ -226,22 +249,35 @@ _ROUND = {torch.bfloat16: 0, torch.float32: 2}
 
 def _launch(x, norm, gamma, scale, out, *, block: int = 256, num_warps: int = 2) -> None:
     """One program per (b, c, t, h) row and ``block`` columns; ``block``/``num_warps`` are
-    the knobs ``scripts/diag_vae_exact.py --tune-kernel`` measures. On the H200, bf16:
-    256 x 2 warps is the fastest of 12 configurations for both the 720p (96 channels,
-    1.32 ms against 1.89 ms for 2048 x 4) and the 360p (192 channels) activations
-    (docs/bench/diag/vae-kernel-tune-045851d.json)."""
+    the knobs ``scripts/diag_vae_exact.py --tune-kernel`` measures. Measured on an H200 at
+    commit 045851d, bf16 (see the benchmarks' diag records): 256 x 2 warps is the fastest
+    of 12 configurations for both the 720p (96 channels, 1.32 ms against 1.89 ms for
+    2048 x 4) and the 360p (192 channels) activations."""
     B, C, T, H, W = x.shape
     rows = B * C * T * H
     block = min(block, triton.next_power_of_2(W))
     xs, os_ = x.stride(), out.stride()
     _rms_silu[(rows, triton.cdiv(W, block))](
-        x, norm, gamma.reshape(-1), out,
-        C, T, H, W,
-        *xs, *os_,
-        norm.stride(0), norm.stride(2), norm.stride(3), norm.stride(4),
-        float(scale), _EPS,
-        BLOCK=block, ROUND=_ROUND[x.dtype], num_warps=num_warps,
-    )  # fmt: skip
+        x,
+        norm,
+        gamma.reshape(-1),
+        out,
+        C,
+        T,
+        H,
+        W,
+        *xs,
+        *os_,
+        norm.stride(0),
+        norm.stride(2),
+        norm.stride(3),
+        norm.stride(4),
+        float(scale),
+        _EPS,
+        BLOCK=block,
+        ROUND=_ROUND[x.dtype],
+        num_warps=num_warps,
+    )
 
 
 if triton is not None:
@@ -257,14 +293,33 @@ if triton is not None:
 
     @triton.jit
     def _rms_silu(
-        x_ptr, n_ptr, g_ptr, o_ptr,
-        C, T, H, W,
-        xb, xc, xt, xh, xw,
-        ob, oc, ot, oh, ow,
-        nb, nt, nh, nw,
-        scale, eps,
-        BLOCK: tl.constexpr, ROUND: tl.constexpr,
-    ):  # fmt: skip
+        x_ptr,
+        n_ptr,
+        g_ptr,
+        o_ptr,
+        C,
+        T,
+        H,
+        W,
+        xb,
+        xc,
+        xt,
+        xh,
+        xw,
+        ob,
+        oc,
+        ot,
+        oh,
+        ow,
+        nb,
+        nt,
+        nh,
+        nw,
+        scale,
+        eps,
+        BLOCK: tl.constexpr,
+        ROUND: tl.constexpr,
+    ):
         # One program per (b, c, t, h) row and block of w: the index arithmetic is scalar.
         row = tl.program_id(0).to(tl.int64)
         h = row % H
@@ -297,9 +352,17 @@ if triton is not None:
 
     @triton.jit
     def _bias_add(
-        y_ptr, b_ptr, h_ptr, o_ptr, n, step, C,
-        HAS_RES: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
+        y_ptr,
+        b_ptr,
+        h_ptr,
+        o_ptr,
+        n,
+        step,
+        C,
+        HAS_RES: tl.constexpr,
+        ROUND: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = i < n
         c = (i // step) % C
@@ -316,13 +379,26 @@ if triton is not None:
 
     @triton.jit
     def _rms_silu_cl(
-        x_ptr, g_ptr, b_ptr, o_ptr,
-        P, C, T, H, W,
-        ob, ot, oh, ow,
-        scale, eps,
-        HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+        x_ptr,
+        g_ptr,
+        b_ptr,
+        o_ptr,
+        P,
+        C,
+        T,
+        H,
+        W,
+        ob,
+        ot,
+        oh,
+        ow,
+        scale,
+        eps,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        BLOCK_C: tl.constexpr,
         ROUND: tl.constexpr,
-    ):  # fmt: skip
+    ):
         # One program per BLOCK_P pixels (in x's memory order b, t, h, w), all channels.
         p = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
         c = tl.arange(0, BLOCK_C)
@@ -349,9 +425,7 @@ if triton is not None:
             tl.store(ptr, y.to(o_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
     @triton.jit
-    def _up2x_cl(
-        x_ptr, o_ptr, P, C, h, w, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr
-    ):  # fmt: skip
+    def _up2x_cl(x_ptr, o_ptr, P, C, h, w, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
         p = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
         c = tl.arange(0, BLOCK_C)
         mask = (p < P)[:, None] & (c < C)[None, :]
