@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
-from test_host_shared import worker
+from test_host_shared import _WORKER
 
 pytestmark = pytest.mark.cuda
+
+
+def worker(store, *names, env, device, tier):
+    """A worker in a fresh process of its own (``env``: without the tests' shm folder, so
+    the tier is in /dev/shm); its switches' tiers and images, in order."""
+    code = _WORKER.format(tests=os.path.dirname(__file__))
+    argv = [sys.executable, "-c", code, str(store), device, tier, *names]
+    p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return [json.loads(line) for line in p.stdout.splitlines() if line.startswith("[")]
 
 
 def test_a_second_process_switches_from_the_shared_tier_on_the_gpu(store):

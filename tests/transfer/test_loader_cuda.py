@@ -212,8 +212,8 @@ def test_load_model_on_gpu_matches_from_pretrained(tmp_path):
 def test_ring_is_pinned_once_per_loader(big_file):
     with Loader(threads=2) as ld:
         ld.prepare("cuda")
-        ring = ld._ring
+        ring = ld._owned.ring
         assert ring is not None and ring.pinned
         ld.load(big_file, device="cuda")
         ld.load(big_file, device="cuda")
-        assert ld._ring is ring
+        assert ld._owned.ring is ring
