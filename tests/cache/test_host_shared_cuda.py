@@ -16,6 +16,13 @@ pytestmark = pytest.mark.cuda
 def worker(store, *names, env, device, tier):
     """A worker in a fresh process of its own (``env``: without the tests' shm folder, so
     the tier is in /dev/shm); its switches' tiers and images, in order."""
+    from nostall.memory import SharedPool
+
+    # Kept first, as an operator keeps one across worker restarts, so the next worker finds
+    # what this one read (without, the worker, its last process, removes it as it exits).
+    name, root = tier.partition(":")[2], env.get("NOSTALL_SHM_DIR") or "/dev/shm"
+    if not any(s.name == name and s.keep for s in SharedPool.segments(root=root)):
+        SharedPool(name, 2 << 20, root=root, keep=True).close()  # the worker resizes it
     code = _WORKER.format(tests=os.path.dirname(__file__))
     argv = [sys.executable, "-c", code, str(store), device, tier, *names]
     p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
