@@ -237,3 +237,17 @@ def fork_python(tmp_path_factory):
     yield start
     for server in servers:
         server.close()
+
+
+@pytest.fixture(scope="session")
+def store(tmp_path_factory):
+    """Tiny random FLUX, FLUX-b (same architecture, other transformer), SDXL, SD3, Wan."""
+    pytest.importorskip("diffusers")
+    import logging
+
+    from nostall.synthetic import write_store
+
+    logging.getLogger("diffusers").setLevel(logging.ERROR)
+    folder = tmp_path_factory.mktemp("store")
+    write_store(folder, ("flux", "flux-b", "sdxl", "sd3", "wan"))
+    return folder

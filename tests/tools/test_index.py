@@ -83,7 +83,7 @@ def test_src_changed_is_git_diff_of_src_between_the_commit_and_head(tmp_path):
     run = _run(head, "2026-12-03", targets={"x": _t(0.5)})
     (tmp_path / RUNS / f"switch-{head}-2026-12-03.json").write_text(json.dumps(run))
     index = json.loads(write_index(tmp_path).read_text())
-    assert index["generated_at"] == head
+    assert index["commit"] == head
     assert index["benches"]["switch"]["targets"]["x"]["src_changed"] is False
 
 
