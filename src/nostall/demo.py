@@ -204,7 +204,7 @@ def run_video_demo(*, device: str, path: str) -> tuple[str, object, list]:
             vae = AutoencoderKLWan().to(torch.bfloat16).eval()
         shape, what = (1, 16, 5, 60, 104), "Wan 2.1 VAE (default config, random weights, bf16)"
     else:
-        vae = AutoencoderKLWan(base_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1).eval()
+        vae = AutoencoderKLWan(base_dim=8, dim_mult=[1, 2, 2, 2], num_res_blocks=1).eval()
         shape, what = (1, 16, 5, 12, 16), "tiny Wan VAE (random weights, fp32, CPU)"
     g = torch.Generator(device=dev).manual_seed(1)
     z = torch.randn(shape, generator=g, device=dev).to(next(vae.parameters()).dtype)
@@ -237,13 +237,17 @@ def _decoder_modes(vae, z, dev: torch.device) -> list[tuple[str, float, str]]:
     rows = []
     eager_s, ref = decode("eager")
     rows.append(("eager", eager_s, "reference"))
+    ran: dict[str, tuple[float, torch.Tensor]] = {}
     for mode in ("exact", "fast"):
-        label = mode
+        label, runs = mode, mode
         try:  # strict: says (and raises) where this machine can only run a fallback
             decode_chunks(vae, z[:, :, :1], mode=mode, strict=True).close()
         except DegradedError as e:
             label = f"{mode} (ran {e.fallback}: {e.reason})"
-        s, frames = decode(mode)
+            runs = e.fallback.removeprefix("mode='").removesuffix("'")  # "mode='exact'"
+        if runs not in ran:  # a fallback already measured is not decoded twice
+            ran[runs] = decode(runs)
+        s, frames = ran[runs]
         if torch.equal(frames, ref):
             same = "bit-identical"
         else:
