@@ -45,6 +45,7 @@ def sync_all(devices: Iterable[torch.device | str] | None = None) -> None:
 def timed(
     device: torch.device | str | Sequence[torch.device | str] | None,
     fn: Callable[..., T],
+    /,
     *args: Any,
     **kwargs: Any,
 ) -> tuple[float, T]:
@@ -52,7 +53,8 @@ def timed(
     what it returned.
 
     ``device`` is one device, several (all synchronised: work spread over GPUs), or
-    ``None`` for every CUDA device this process sees.
+    ``None`` for every CUDA device this process sees. Both are positional-only, so
+    ``fn``'s own ``device=`` keyword passes through to it.
     """
     if device is None or isinstance(device, list | tuple):
         sync_all(device)
