@@ -17,12 +17,13 @@
 from nostall.synthetic.checkpoints import PRESETS, make_checkpoint
 from nostall.synthetic.loras import write_lora
 from nostall.synthetic.run import denoise
-from nostall.synthetic.tiny import PIPELINES, write_store
+from nostall.synthetic.tiny import PIPELINES, VIDEO_PIPELINES, write_store
 from nostall.synthetic.transformer import safetensors_bytes, step_inputs, write_transformer
 
 __all__ = [
     "PIPELINES",
     "PRESETS",
+    "VIDEO_PIPELINES",
     "denoise",
     "make_checkpoint",
     "safetensors_bytes",
