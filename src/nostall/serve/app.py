@@ -8,6 +8,9 @@
     requests without them get the base; ``controlnet``: a name of its
     ``<store>/controlnets``, with a base64 control image of the request's size);
     answers ``{"created", "data": [{"b64_json"}], "nostall": {...}}`` or the PNG bytes.
+``POST /v1/videos``, ``GET /v1/videos[/{id}[/content]]``, ``DELETE /v1/videos/{id}``
+    OpenAI's Videos API: a prompt (and an image, for image-to-video) → a video job,
+    polled, its MP4 fetched (:mod:`nostall.serve.routes.video_jobs`).
 ``POST /v1/videos/decode?model=&fps=&mode=&denormalize=``  body: safetensors bytes
     holding ``latents`` (1, C, T, h, w); answers the MP4.
 ``GET /v1/models``, ``/healthz``, ``/readyz`` (both 503 once the worker drains,
@@ -43,7 +46,7 @@ from fastapi.exceptions import RequestValidationError
 from nostall.serve.answers import schema_error
 from nostall.serve.bodies import ControlRef, ImageBody, LoraRef
 from nostall.serve.http import harden
-from nostall.serve.routes import images, models, status, videos
+from nostall.serve.routes import images, models, status, video_jobs, videos
 from nostall.serve.worker import Worker
 
 __all__ = ["ControlRef", "ImageBody", "LoraRef", "create_app"]
@@ -91,11 +94,13 @@ def create_app(
             "/v1/images/generations": max(
                 max_body, worker.limits.max_control_bytes * 4 // 3 + 4096
             ),
+            # an image-to-video request's image, base64 in JSON or a multipart file
+            "/v1/videos": max(max_body, worker.limits.max_control_bytes * 4 // 3 + 4096),
         },
         body_timeout=body_timeout,
         time_limit=time_limit,
     )
     app.add_exception_handler(RequestValidationError, _bad_query)
-    for room in (images, videos, models, status):
+    for room in (images, videos, video_jobs, models, status):
         app.include_router(room.router)
     return app

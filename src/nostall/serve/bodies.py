@@ -31,6 +31,7 @@ __all__ = [
     "EmbedBody",
     "ImageBody",
     "LoraRef",
+    "VideoBody",
     "first_problem",
     "parse",
 ]
@@ -82,6 +83,42 @@ class ImageBody(BaseModel):
     user: str | None = None
     quality: str | None = None
     style: str | None = None
+
+
+class ImageRef(BaseModel):
+    """OpenAI's ``input_reference`` as JSON: ``{"image_url": "data:image/png;base64,..."}``
+    (a data URL; this server fetches no URL)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    image_url: str
+
+
+class VideoBody(BaseModel):
+    """The ``POST /v1/videos`` body (OpenAI's Videos API: ``model``, ``prompt``,
+    ``size``, ``seconds``, ``input_reference``), with the diffusion settings a Wan
+    pipeline takes. ``seconds`` is a string as OpenAI sends it (``"2"``) or a number;
+    ``frames`` (4k+1) may be given instead; ``input_reference`` is the image of an
+    image-to-video pipeline, as a data URL or ``{"image_url": ...}`` (a multipart body
+    sends it as a file)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    model: str
+    prompt: str
+    negative_prompt: str | None = None
+    size: str | None = None
+    seconds: StrictStr | StrictInt | float | None = None
+    frames: int | None = None
+    fps: int | None = None
+    steps: int | None = None
+    seed: int | None = None
+    guidance: float | None = None
+    guidance_2: float | None = None
+    max_sequence_length: int | None = None
+    mode: Literal["eager", "exact", "fast"] = "exact"
+    input_reference: str | ImageRef | None = None
+    user: str | None = None
 
 
 class EmbedBody(BaseModel):

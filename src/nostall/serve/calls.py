@@ -92,7 +92,7 @@ class PhaseClock:
     """
 
     _TEXT = ("text_encoder", "text_encoder_2", "text_encoder_3")
-    _DENOISE = ("transformer", "unet")
+    _DENOISE = ("transformer", "transformer_2", "unet")
 
     def __init__(self, pipe: Any, device: torch.device, *, stop: threading.Event | None = None):
         self.cuda = device.type == "cuda"

@@ -21,6 +21,7 @@ nostall.errors.ArgumentError: max_queue=0: give a whole number of jobs >= 1
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -88,6 +89,10 @@ class WorkerConfig:
             (:class:`~nostall.serve.schedule.Policy`).
         lora_room: device bytes for the base copies of the weights fused LoRAs change
             (without them those wait in host memory and each LoRA switch copies them back).
+        video_dir: where generated videos and their jobs' index are kept (default
+            ``<cache>/videos``, beside the digest index).
+        video_max_bytes: the generated videos kept at most (oldest removed first;
+            ``None``: no cap).
     """
 
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -101,6 +106,8 @@ class WorkerConfig:
     external: int = 0
     schedule: Policy = field(default_factory=Policy)
     lora_room: int = 0
+    video_dir: str | os.PathLike | None = None
+    video_max_bytes: int | None = 20 << 30
 
     def __post_init__(self) -> None:
         for name, value, kind in (
@@ -118,6 +125,9 @@ class WorkerConfig:
         _check_flag("prepare", self.prepare)
         _check_flag("prefetch", self.prefetch)
         check_http_url("embed_url", self.embed_url)
+        check_count("video_max_bytes", self.video_max_bytes, least=1, unit="bytes")
+        if self.video_dir is not None and not isinstance(self.video_dir, (str, os.PathLike)):
+            raise ArgumentError(f"video_dir={self.video_dir!r}: give a folder", field="video_dir")
         check_count("reserve", self.reserve)
         check_count("external", self.external, optional=False)
         check_count("lora_room", self.lora_room, optional=False)

@@ -5,12 +5,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["ImageJob", "VideoJob", "activation_key"]
+__all__ = ["GenerateJob", "ImageJob", "VideoJob", "activation_key"]
 
 
 @dataclass
@@ -37,8 +39,37 @@ class VideoJob:
     denormalize: bool = False
 
 
-def activation_key(job: ImageJob | VideoJob) -> tuple[str, str]:
+@dataclass
+class GenerateJob:
+    """A video to generate (``POST /v1/videos``): its row in the worker's
+    :class:`~nostall.serve.video_store.VideoStore` is ``id``; ``cancel`` set ends it at
+    its next denoising step."""
+
+    id: str
+    model: str
+    prompt: str
+    width: int
+    height: int
+    frames: int
+    fps: int
+    steps: int
+    seed: int
+    mode: str = "exact"
+    negative_prompt: str | None = None
+    guidance: float | None = None
+    guidance_2: float | None = None
+    max_sequence_length: int | None = None
+    image: Any = None  # the first frame of an image-to-video pipeline (PIL)
+    path: str = ""  # where the video is written (its suffix picks the format)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    # called from the worker thread with (denoising steps done, frames written)
+    progress: Callable[[int, int], None] | None = None
+
+
+def activation_key(job: ImageJob | VideoJob | GenerateJob) -> tuple[str, str]:
     """``(pipeline, shape)``: what a job's activation peak depends on, for the budget."""
+    if isinstance(job, GenerateJob):
+        return job.model, f"generate {job.frames}x{job.height}x{job.width} {job.mode}"
     if isinstance(job, VideoJob):
         b, _, t, h, w = job.latents.shape  # (B, C, T, h, w)
         return job.model, f"video {t}x{h}x{w} b{b} {job.mode}"

@@ -167,6 +167,9 @@ def _terms(job: Any, batching: bool) -> tuple[str, Hashable, float]:
         return f"{job.model} (vae)", object(), latents.numel() / 1e6
     key = job.model
     work = job.width * job.height * job.steps / 1e6
+    frames = getattr(job, "frames", None)
+    if frames is not None:  # a video to generate: one long job, never batched
+        return key, object(), work * (frames + 3) / 4  # a latent frame costs an image
     if not batching or getattr(job, "controlnet", None) is not None:  # its own image
         return key, object(), work
     shape = (

@@ -23,6 +23,7 @@ import torch
 
 from nostall.errors import (
     ArgumentError,
+    Cancelled,
     CheckpointError,
     DeviceBusy,
     NostallError,
@@ -31,7 +32,7 @@ from nostall.errors import (
 )
 from nostall.serve.budget import DeviceBudget, is_out_of_memory
 from nostall.serve.calls import PhaseClock, batch_arguments, cat_embeds, image_kwargs, sync
-from nostall.serve.jobs import ImageJob, VideoJob, activation_key
+from nostall.serve.jobs import GenerateJob, ImageJob, VideoJob, activation_key
 from nostall.serve.results import Result
 
 __all__ = ["Runner"]
@@ -72,7 +73,13 @@ class Runner:
             self._embed = EmbeddingClient(embed_url)
             self._embed_pool = ThreadPoolExecutor(1, thread_name_prefix="nostall-embed-client")
 
+        self._frames = None  # the asynchronous frame pipeline of generated videos
+
     def close(self) -> None:
+        """Wait for the videos being written, then close the frame pipeline and the
+        embedding client."""
+        if self._frames is not None:
+            self._frames.close()
         if self._embed_pool is not None:
             self._embed_pool.shutdown(wait=True)
             self._embed.close()
@@ -83,7 +90,10 @@ class Runner:
         :class:`DeviceBusy`. (The cache's GPU tier is one allocation: evicting from it
         frees no device memory, so nothing is evicted. What a failed attempt held is
         garbage once its frames are gone, and torch's cached blocks can be given back.)"""
-        run = self._video if isinstance(job, VideoJob) else self._image
+        if isinstance(job, GenerateJob):
+            run = self._generate_video
+        else:
+            run = self._video if isinstance(job, VideoJob) else self._image
         pipeline, shape = activation_key(job)
         try:
             with self.budget.measure(pipeline, shape):
@@ -241,6 +251,8 @@ class Runner:
         """The weights components ``job`` does not need switched in: for a decode,
         everything but the VAE; for an image, the text encoders the embedding service
         stands in for."""
+        if isinstance(job, GenerateJob):  # the whole pipeline: it encodes its prompt
+            return ()
         if isinstance(job, VideoJob):
             entry = self.cache.store.entry(job.model)
             if entry.components.get("vae") is None:
@@ -277,6 +289,83 @@ class Runner:
                     os.remove(path)
         phases = {"switch": switched - start, **_switch_phases(report), "decode": decode_s}
         return Result(body, "video/mp4", phases, report, {"frames": out.frames})
+
+    def _generate_video(self, job: GenerateJob, start: float) -> Result:
+        """Denoise ``job``'s latents with its pipeline, decode them chunk by chunk into the
+        asynchronous frame pipeline and return once the decode is launched: the writer
+        thread finishes the MP4 (``info["written"]``, a future of its
+        :class:`~nostall.video.DecodeResult`) while the next job starts. ``progress``
+        (``job.progress``, called with the steps and frames done) counts both."""
+        from nostall.video import AsyncFramePipeline, denormalize, submit_decode
+
+        def step_end(pipe: Any, i: int, t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+            if job.cancel.is_set():
+                raise Cancelled(f"cancelled after {i + 1} of {job.steps} steps")
+            if job.progress is not None:
+                job.progress(i + 1, 0)
+            return {}
+
+        with self.cache.use(job.model) as pipe:
+            switched = time.perf_counter()
+            report = self._switch_report(job.model)
+            clock = PhaseClock(pipe, self.device, stop=self.stop)
+            try:
+                kwargs = _generate_kwargs(pipe, job, self.device)
+                kwargs["callback_on_step_end"] = step_end
+                with torch.inference_mode():
+                    latents = pipe(**kwargs).frames
+                    vae = pipe.vae
+                    z = denormalize(vae, latents.to(next(vae.parameters()).dtype))
+                    if self._frames is None:
+                        self._frames = AsyncFramePipeline(device=self.device)
+                    t = time.perf_counter()
+                    written = submit_decode(
+                        vae,
+                        z,
+                        job.path,
+                        pipeline=self._frames,
+                        fps=job.fps,
+                        mode=job.mode,
+                        progress=None
+                        if job.progress is None
+                        else (lambda n: job.progress(job.steps, n)),
+                    )
+                    launched = time.perf_counter()
+                sync(self.device)
+                done = time.perf_counter()
+            finally:
+                clock.remove()
+        phases = {"switch": switched - start, **_switch_phases(report), **clock.phases(t)}
+        phases["decode"] = launched - t  # launched; the writer thread finishes the file
+        phases["sync"] = done - launched
+        info = {"seed": job.seed, "frames": job.frames, "written": written}
+        return Result(b"", "video/mp4", phases, report, info)
+
+
+def _generate_kwargs(pipe: Any, job: GenerateJob, device: torch.device) -> dict[str, Any]:
+    """The Wan pipeline call of ``job``: diffusers' own arguments, a generator seeded on
+    the pipeline's device as a user would seed it, latents out (nostall decodes them)."""
+    kwargs: dict[str, Any] = {
+        "prompt": job.prompt,
+        "height": job.height,
+        "width": job.width,
+        "num_frames": job.frames,
+        "num_inference_steps": job.steps,
+        "generator": torch.Generator(device=device.type).manual_seed(job.seed),
+        "output_type": "latent",
+    }
+    for name, value in (
+        ("negative_prompt", job.negative_prompt),
+        ("guidance_scale", job.guidance),
+        ("guidance_scale_2", job.guidance_2),
+        ("max_sequence_length", job.max_sequence_length),
+        ("image", job.image),
+    ):
+        if value is not None:
+            kwargs[name] = value
+    if hasattr(pipe, "set_progress_bar_config"):
+        pipe.set_progress_bar_config(disable=True)
+    return kwargs
 
 
 def _switch_phases(report: dict[str, Any]) -> dict[str, float]:

@@ -56,7 +56,7 @@ from nostall.logs import LibraryWarningsOnce
 from nostall.serve.bodies import ImageBody, parse
 from nostall.serve.budget import DeviceBudget, is_out_of_memory, unfit, video_only
 from nostall.serve.config import WorkerConfig
-from nostall.serve.jobs import ImageJob, VideoJob, activation_key
+from nostall.serve.jobs import GenerateJob, ImageJob, VideoJob, activation_key
 from nostall.serve.lineup import Lineup
 from nostall.serve.requests import (
     Limits,
@@ -191,6 +191,8 @@ class Worker:
         self._started_at = time.time()
         self._served = 0  # jobs executed, in order (only the worker thread counts)
         self._settler = Settler()  # image jobs' PNGs, encoded off the worker thread
+        self.videos: Any = None  # the video jobs (VideoJobs), once start() found a pipeline
+        self.videos_unavailable: str | None = None  # why not, when they could not open
 
     # ---- lifecycle ---------------------------------------------------------------
 
@@ -200,6 +202,7 @@ class Worker:
         if self._thread is not None:
             return self
         names = self._servable()
+        self._open_videos(names)
         if self.config.prepare:
             self.cache.prepare()  # the device tier, the host tier's pinning, the copy stream
             for name in names:
@@ -211,6 +214,26 @@ class Worker:
         self._thread = threading.Thread(target=self._run, name="nostall-worker", daemon=True)
         self._thread.start()
         return self
+
+    def _open_videos(self, names: list[str]) -> None:
+        """The video jobs (``POST /v1/videos``), when a served pipeline makes videos:
+        their index and MP4s in ``config.video_dir`` (default ``<cache>/videos``), jobs
+        a previous process left unfinished marked failed."""
+        from nostall.serve.video_jobs import VideoJobs
+        from nostall.serve.video_requests import generate_rules
+
+        if not any(generate_rules(self.cache.store.entry(n)) for n in names):
+            return
+        folder = self.config.video_dir
+        if folder is None:
+            from nostall.store.digest_index import default_cache_dir
+
+            folder = os.path.join(default_cache_dir(), "videos")
+        try:
+            self.videos = VideoJobs(self, os.fspath(folder), max_bytes=self.config.video_max_bytes)
+        except NostallError as e:  # (a folder another worker holds): images still serve
+            self.videos_unavailable = str(e)
+            log.warning("video jobs are not served: %s", e)
 
     def drain(self, grace: float, on_done: Callable[[], None] | None = None) -> None:
         """Stop within ``grace`` seconds, losing nothing that can finish: take no more
@@ -315,7 +338,9 @@ class Worker:
         self.budget.release("model cache")
         self.budget.release("LoRA base copies")
         self._quiet.remove()
-        self.runner.close()
+        self.runner.close()  # (waits for the videos being written)
+        if self.videos is not None:
+            self.videos.close()
         self._closed.set()
 
     @property
@@ -498,7 +523,7 @@ class Worker:
         except BaseException as e:  # the thread carries on; the job fails
             if isinstance(e, (ValueError, LatentsError)):  # the request's fault: a 4xx
                 log.info("job for %s refused: %s", t.job.model, e)
-            elif isinstance(e, ShuttingDown):
+            elif isinstance(e, (ShuttingDown, Cancelled)):
                 log.info("job for %s stopped: %s", t.job.model, e)
             else:
                 log.exception("job for %s failed", t.job.model)
@@ -580,7 +605,7 @@ class Worker:
         self.recent.appendleft(
             {
                 "at": time.strftime("%H:%M:%S"),
-                "kind": "video" if isinstance(t.job, VideoJob) else "image",
+                "kind": _kind(t.job),
                 "model": t.job.model,
                 "phases": {k: round(v, 4) for k, v in result.phases.items()},
                 "tiers": sorted({c["tier"] for c in result.switch.get("components", [])}),
@@ -632,6 +657,12 @@ def _job_line(job: ImageJob | VideoJob, result: Result) -> str:
     phases = ", ".join(f"{k} {v:.3f}" for k, v in result.phases.items())
     _, shape = activation_key(job)
     return f"{job.model} {shape}: switch moved {moved} ({tiers}); {phases} s"
+
+
+def _kind(job: Any) -> str:
+    if isinstance(job, GenerateJob):
+        return "video"
+    return "decode" if isinstance(job, VideoJob) else "image"
 
 
 def _begin(t: _Ticket) -> bool:
