@@ -246,3 +246,99 @@ def test_a_second_worker_on_the_same_video_folder_serves_images_but_says_why_not
         assert httpx.post(f"{s.url}/v1/images/generations", json=body).status_code == 200
     # the first worker's jobs were left alone
     assert httpx.get(f"{server.url}/v1/videos").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """Every Wan layout: Wan 2.2 A14B (two experts), TI2V-5B, and both I2V pipelines."""
+    from nostall.synthetic import VIDEO_PIPELINES, write_store
+
+    folder = tmp_path_factory.mktemp("wan-layouts")
+    write_store(folder, VIDEO_PIPELINES)
+    return folder
+
+
+def _png(seed: int, side: int = 32) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (side, side, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("model", "size", "image", "seq"),
+    [
+        ("wan22", "32x32", False, 16),
+        ("wan22-ti2v", "32x32", False, 16),
+        ("wan-i2v", "32x32", True, None),  # (512: its image tokens follow the text's)
+        ("wan22-i2v", "32x32", True, 16),
+    ],
+)
+def test_every_wan_layout_is_served_as_diffusers_makes_it(layouts, tmp_path, model, size,
+                                                          image, seq):  # fmt: skip
+    from diffusers import DiffusionPipeline
+    from PIL import Image
+
+    from nostall.serve.app import create_app
+    from nostall.serve.local import BackgroundServer
+    from nostall.serve.worker import Worker
+
+    w = Worker(layouts, device="cpu", prepare=False, video_dir=str(tmp_path))
+    body = {"model": model, "prompt": "a cat", "size": size, "frames": 5, "steps": 4,
+            "seed": 2, "mode": "exact"}  # fmt: skip
+    if seq is not None:
+        body["max_sequence_length"] = seq
+    files = {k: (None, str(v)) for k, v in body.items()}
+    if image:
+        files["input_reference"] = ("first.png", _png(1), "image/png")
+    with BackgroundServer(create_app(w)) as s:
+        vid = httpx.post(f"{s.url}/v1/videos", files=files).json()["id"]
+        done, _ = _wait(s.url, vid)
+        assert done["status"] == "completed", done
+        if image:  # and without its image: refused before queueing
+            r = httpx.post(f"{s.url}/v1/videos", json=body)
+            assert r.status_code == 422 and r.json()["error"]["field"] == "input_reference"
+    # the frames: the worker's job written as .npy against diffusers' own call
+    from nostall.serve.jobs import GenerateJob
+
+    w2 = Worker(layouts, device="cpu", prepare=False, video_dir=str(tmp_path / "again"))
+    w2.start()
+    try:
+        pic = Image.open(io.BytesIO(_png(1))).convert("RGB") if image else None
+        job = GenerateJob(id="t", model=model, prompt="a cat", width=32, height=32, frames=5,
+                          fps=16, steps=4, seed=2, max_sequence_length=seq, image=pic,
+                          path=str(tmp_path / "f.npy"))  # fmt: skip
+        fut, _ = w2.submit(job)
+        fut.result(120).info["written"].result(120)
+    finally:
+        w2.shutdown()
+    pipe = DiffusionPipeline.from_pretrained(str(layouts / model))
+    pipe.set_progress_bar_config(disable=True)
+    kw = {"image": pic} if image else {}
+    if seq is not None:
+        kw["max_sequence_length"] = seq
+    ref = pipe(prompt="a cat", height=32, width=32, num_frames=5, num_inference_steps=4,
+               generator=torch.Generator("cpu").manual_seed(2), output_type="pil", **kw)  # fmt: skip
+    assert np.array_equal(
+        np.load(tmp_path / "f.npy"), np.stack([np.asarray(f) for f in ref.frames[0]])
+    )
+
+
+def test_wan21_i2v_refuses_a_short_text_length_that_would_drop_its_image(layouts, tmp_path):
+    from nostall.errors import ArgumentError
+    from nostall.serve.bodies import VideoBody
+    from nostall.serve.requests import Limits
+    from nostall.serve.video_jobs import VideoJobs  # noqa: F401  (the rules it applies)
+    from nostall.serve.video_requests import check_generate, generate_rules
+    from nostall.store.catalog import Store
+
+    rules = generate_rules(Store(layouts).entry("wan-i2v"))
+    body = VideoBody(model="wan-i2v", prompt="a cat", size="32x32", frames=5,
+                     max_sequence_length=16)  # fmt: skip
+    with pytest.raises(ArgumentError, match="reads the image's tokens after 512") as e:
+        check_generate(body, rules, Limits(), image=_png(1))
+    assert e.value.field == "max_sequence_length"
+    two = generate_rules(Store(layouts).entry("wan22"))
+    assert two.experts == 2 and two.boundary_ratio == pytest.approx(0.875)

@@ -58,6 +58,9 @@ class GenerateRules:
     size: tuple[int, int] = (832, 480)
     fps: int = 16
     max_sequence_length: int = 512
+    # Wan 2.1 I2V: its attention takes the last 512 context tokens as the text, the rest
+    # as the image's (a shorter text would feed it no image tokens, silently)
+    fixed_sequence: bool = False
 
     def describe(self) -> str:
         return f"{self.model} ({self.pipeline})"
@@ -94,6 +97,7 @@ def generate_rules(entry: Any) -> GenerateRules | None:
         boundary_ratio=float(ratio) if isinstance(ratio, (int, float)) else None,
         size=(1280, 704) if wide else (832, 480),
         fps=24 if wide else 16,
+        fixed_sequence=comps.get("image_encoder") is not None,
     )
 
 
@@ -206,6 +210,14 @@ def check_generate(
     seq = body.max_sequence_length
     if seq is not None:
         seq = _whole("max_sequence_length", seq, 1, rules.max_sequence_length)
+        if rules.fixed_sequence and seq != rules.max_sequence_length:
+            raise ArgumentError(
+                f"max_sequence_length={seq}: {rules.describe()} reads the image's tokens "
+                f"after {rules.max_sequence_length} text tokens; leave it out (or give "
+                f"{rules.max_sequence_length})",
+                field="max_sequence_length",
+                allowed=[rules.max_sequence_length],
+            )
     given = image is not None or body.input_reference is not None
     if rules.image and not given:
         raise ArgumentError(
