@@ -48,15 +48,18 @@ GRACE = 6  # seconds
 
 
 @pytest.fixture(scope="module")
-def worker_process(store, controlnets):
+def worker_process(store, controlnets, tmp_path_factory):
     """One ``nostall serve`` for the tests of a running worker; the last ends it with
     SIGTERM. Its log must then hold no traceback."""
     # --no-prepare and one small image instead: what the tests below run is then built
     # and read (the other pipelines are not: 10 s less to wait for on two cores)
-    options = ("--grace-s", str(GRACE), "--max-overtaken", "0", "--max-connections", "16")
+    videos = tmp_path_factory.mktemp("served-videos")
+    options = ("--grace-s", str(GRACE), "--max-overtaken", "0", "--max-connections", "16",
+               "--video-dir", str(videos))  # fmt: skip
     proc, url = _start(store, *options, "--no-prepare")
     warm = httpx.post(f"{url}/v1/images/generations", json=_flux(1, 0, 32), timeout=120)
     assert warm.status_code == 200, warm.text
+    proc.videos = videos
     yield proc, url
     out = _stop(proc)
     assert "Traceback" not in out and "DecompressionBomb" not in out, out
@@ -73,6 +76,22 @@ def bomb() -> str:
     buf = io.BytesIO()
     Image.new("L", (9000, 9000)).save(buf, "PNG")
     return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_the_served_worker_generates_a_video_into_its_video_dir(worker_process):
+    import time
+
+    proc, url = worker_process
+    body = {"model": "wan", "prompt": "a cat", "size": "32x32", "frames": 5, "steps": 2,
+            "seed": 1, "max_sequence_length": 16}  # fmt: skip
+    vid = httpx.post(f"{url}/v1/videos", json=body, timeout=60).json()["id"]
+    deadline = time.monotonic() + 120
+    while (job := httpx.get(f"{url}/v1/videos/{vid}").json())["status"] != "completed":
+        assert job["status"] in ("queued", "in_progress"), job
+        assert time.monotonic() < deadline, job
+        time.sleep(0.05)
+    assert (proc.videos / f"{vid}.mp4").stat().st_size > 0
+    assert (proc.videos / "videos.sqlite").exists()
 
 
 @pytest.mark.slow
@@ -208,6 +227,7 @@ def _invoke(*args, env=None):
         (["--batch", "0"], "0 is out of range"),
         (["--max-overtaken", "-1"], "-1 is out of range"),
         (["--max-delay-s", "inf"], "delay_s=inf"),
+        (["--video-max-gb", "-1"], "-1.0 is out of range"),
     ],
 )
 def test_serve_options_are_checked_before_the_worker_loads(store, monkeypatch, extra, says):

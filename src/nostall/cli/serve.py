@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -150,6 +151,7 @@ _FLAGS = {
     "reserve": "--activation-reserve-gb",
     "external": "--embed-budget-gb",
     "lora_room": "--lora-room-gb",
+    "video_max_bytes": "--video-max-gb",
     "delay_s": "--max-delay-s",
     "overtake": "--max-overtaken",
 }
@@ -231,14 +233,24 @@ def serve(
         callback=in_range(0.0),
         help="...nor pushed back by more than this many (estimated) seconds.",
     ),
+    video_dir: str = typer.Option(
+        None,
+        help="Folder of the generated videos and their jobs' index (POST /v1/videos), one "
+        "worker's alone; default: <cache-dir>/videos.",
+    ),
+    video_max_gb: float = typer.Option(
+        20.0,
+        callback=in_range(0.0),
+        help="Generated videos kept at most; past it the oldest are removed.",
+    ),
     grace_s: float = _grace(
         "On SIGTERM/SIGINT: not ready and no new work at once; queued and running requests "
         "go on for most of this, then get 503 (the running one at its next step); the process "
         "has exited by then (an orchestrator's grace period: 30 s by default)."
     ),
 ) -> None:
-    """Serve image generation and video decoding over HTTP (OpenAI's images API shape),
-    switching pipelines through the model cache. Status page at /, metrics at /metrics."""
+    """Serve image and video generation and video decoding over HTTP (OpenAI's images and
+    videos API shapes), switching pipelines through the model cache. Status page at /, metrics at /metrics."""
     from nostall.serve.app import create_app
     from nostall.serve.config import WorkerConfig
     from nostall.serve.http import check_server, resolve_token, run_server, uvicorn_config
@@ -266,6 +278,8 @@ def serve(
             external=int((embed_budget_gb or 0) * 1e9),
             lora_room=int(lora_room_gb * 1e9),
             schedule=Policy(batch=batch, overtake=max_overtaken, delay_s=max_delay_s),
+            video_dir=video_dir or (os.path.join(cache_dir, "videos") if cache_dir else None),
+            video_max_bytes=max(1, int(video_max_gb * 1e9)),
         )
     with usage_errors("--api-token"):
         # checked (and the exposure warned of) before the worker reads a byte
