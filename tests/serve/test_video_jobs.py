@@ -105,6 +105,8 @@ def test_a_video_is_queued_polled_fetched_listed_and_deleted(server):
     part = httpx.get(f"{url}/v1/videos/{job['id']}/content", headers={"Range": "bytes=0-99"})
     assert part.status_code == 206 and part.content == content.content[:100]
 
+    counts = httpx.get(f"{url}/status.json").json()["videos"]
+    assert counts["completed"] >= 1 and counts["bytes"] >= len(content.content)
     listed = httpx.get(f"{url}/v1/videos", params={"limit": 100}).json()
     assert listed["object"] == "list" and job["id"] in [v["id"] for v in listed["data"]]
 
@@ -300,20 +302,15 @@ def test_every_wan_layout_is_served_as_diffusers_makes_it(layouts, tmp_path, mod
         if image:  # and without its image: refused before queueing
             r = httpx.post(f"{s.url}/v1/videos", json=body)
             assert r.status_code == 422 and r.json()["error"]["field"] == "input_reference"
-    # the frames: the worker's job written as .npy against diffusers' own call
-    from nostall.serve.jobs import GenerateJob
+        # the frames: the same job written as .npy, against diffusers' own call
+        from nostall.serve.jobs import GenerateJob
 
-    w2 = Worker(layouts, device="cpu", prepare=False, video_dir=str(tmp_path / "again"))
-    w2.start()
-    try:
         pic = Image.open(io.BytesIO(_png(1))).convert("RGB") if image else None
         job = GenerateJob(id="t", model=model, prompt="a cat", width=32, height=32, frames=5,
                           fps=16, steps=4, seed=2, max_sequence_length=seq, image=pic,
                           path=str(tmp_path / "f.npy"))  # fmt: skip
-        fut, _ = w2.submit(job)
+        fut, _ = w.submit(job)
         fut.result(120).info["written"].result(120)
-    finally:
-        w2.shutdown()
     pipe = DiffusionPipeline.from_pretrained(str(layouts / model))
     pipe.set_progress_bar_config(disable=True)
     kw = {"image": pic} if image else {}

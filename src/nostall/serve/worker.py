@@ -646,6 +646,8 @@ class Worker:
             "recent": list(self.recent),
             "budget": self.budget.status(),
             "unavailable": dict(self.unavailable),
+            # video jobs by status and their videos' bytes (None: this worker makes none)
+            "videos": None if self.videos is None else self.videos.counts(),
         }
 
 
