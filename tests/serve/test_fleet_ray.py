@@ -14,8 +14,7 @@ import pytest
 
 from nostall.serve.local import free_port
 
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
+ray = pytest.importorskip("ray")  # (ray.serve, 1.3 s more, only where the test runs)
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +28,8 @@ def _post(url, model, **kw):
 
 
 def test_the_fleet_on_ray_routes_encodes_shares_a_tier_and_outlives_a_worker(store, tmp_path):
+    serve = pytest.importorskip("ray.serve")
+
     from nostall.memory import SharedPool
     from nostall.serve.fleet import build_embed, build_fleet
 
@@ -109,7 +110,7 @@ def test_the_fleet_on_ray_routes_encodes_shares_a_tier_and_outlives_a_worker(sto
         result = {}
 
         def slow():
-            result["r"] = _post(url, "flux", prompt="a slow cat", size="128x128", steps=40)
+            result["r"] = _post(url, "flux", prompt="a slow cat", size="64x64", steps=40)
 
         t = threading.Thread(target=slow)
         t.start()
