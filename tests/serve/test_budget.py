@@ -447,7 +447,10 @@ def test_one_info_line_per_job_and_a_library_warning_once(serve, monkeypatch, ca
                 r = httpx.post(f"{server.url}/v1/images/generations", json=_body(seed=seed),
                                timeout=120)  # fmt: skip
                 assert r.status_code == 200, r.text
-        lines = [r.getMessage() for r in caplog.records if r.name == "nostall.serve.worker"]
+        # (a worker of another test may hold this session's default video folder: that
+        # warning is not a job's line)
+        lines = [r.getMessage() for r in caplog.records if r.name == "nostall.serve.worker"
+                 and "video jobs are not served" not in r.getMessage()]  # fmt: skip
         assert len(lines) == 3
         for line in lines:
             assert line.startswith("flux 32x32 b1: switch moved ")
