@@ -97,9 +97,7 @@ def generate_video(
         bar.update(denoise, completed=done_steps)
         bar.update(write, completed=done_frames)
 
-    keys = ["prompt", "negative_prompt", "width", "height", "frames", "fps", "steps", "seed", "guidance", "guidance_2", "max_sequence_length", "mode", "image"]  # fmt: skip
-    job = GenerateJob(id="cli", model=model, path=out, progress=progress,
-                      **{k: job_fields[k] for k in keys})  # fmt: skip
+    job = GenerateJob.of("cli", model, out, job_fields, progress=progress)
     t0 = time.perf_counter()
     worker.start()
     try:

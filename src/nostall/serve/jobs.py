@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -64,6 +64,15 @@ class GenerateJob:
     cancel: threading.Event = field(default_factory=threading.Event)
     # called from the worker thread with (denoising steps done, frames written)
     progress: Callable[[int, int], None] | None = None
+
+    @classmethod
+    def of(cls, id: str, model: str, path: str, checked: dict[str, Any], **kw: Any) -> GenerateJob:
+        """The job of ``checked``, the fields
+        :func:`~nostall.serve.video_requests.check_generate` returned."""
+        names = {f.name for f in fields(cls)}
+        return cls(
+            id=id, model=model, path=path, **{k: v for k, v in checked.items() if k in names}, **kw
+        )
 
 
 def activation_key(job: ImageJob | VideoJob | GenerateJob) -> tuple[str, str]:

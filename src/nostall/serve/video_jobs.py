@@ -90,9 +90,7 @@ class VideoJobs:
         seconds = f"{(fields['frames'] - 1) / fields['fps']:g}"
         row = self.store.create(body.model, body.prompt, size=size, seconds=seconds, params=params)
         vid = row["id"]
-        job = GenerateJob(
-            id=vid, model=body.model, path=self.store.path(vid), **_job_fields(fields)
-        )
+        job = GenerateJob.of(vid, body.model, self.store.path(vid), fields)
         job.progress = self._progress_of(job)
         with self._lock:
             try:
@@ -228,25 +226,6 @@ class VideoJobs:
 
     def counts(self) -> dict[str, Any]:
         return self.store.counts()
-
-
-def _job_fields(fields: dict[str, Any]) -> dict[str, Any]:
-    keys = [
-        "prompt",
-        "negative_prompt",
-        "width",
-        "height",
-        "frames",
-        "fps",
-        "steps",
-        "seed",
-        "guidance",
-        "guidance_2",
-        "max_sequence_length",
-        "mode",
-        "image",
-    ]
-    return {k: fields[k] for k in keys}
 
 
 def _code(e: BaseException) -> str:
