@@ -339,3 +339,20 @@ def test_wan21_i2v_refuses_a_short_text_length_that_would_drop_its_image(layouts
     assert e.value.field == "max_sequence_length"
     two = generate_rules(Store(layouts).entry("wan22"))
     assert two.experts == 2 and two.boundary_ratio == pytest.approx(0.875)
+
+
+def test_the_rules_come_from_each_layouts_own_configs(layouts):
+    from nostall.errors import ArgumentError
+    from nostall.serve.bodies import VideoBody
+    from nostall.serve.requests import Limits
+    from nostall.serve.video_requests import check_generate, generate_rules
+    from nostall.store.catalog import Store
+
+    store = Store(layouts)
+    ti2v = generate_rules(store.entry("wan22-ti2v"))  # the VAE 2.2: 16x spatial, patch 2
+    assert (ti2v.multiple, ti2v.size, ti2v.fps) == (32, (1280, 704), 24)
+    with pytest.raises(ArgumentError, match="multiples of 32") as e:
+        check_generate(VideoBody(model="wan22-ti2v", prompt="a cat", size="48x48"), ti2v, Limits())
+    assert e.value.field == "size"
+    wan = generate_rules(store.entry("wan"))
+    assert (wan.multiple, wan.size, wan.fps, wan.experts) == (16, (832, 480), 16, 1)

@@ -51,6 +51,7 @@ __all__ = [
     "check_loras",
     "check_video",
     "check_video_target",
+    "component_config",
     "image_rules",
     "video_rules",
 ]
@@ -131,7 +132,7 @@ class VideoRules:
         return self.vae == "AutoencoderKLWan"
 
 
-def _config(component: Any) -> dict[str, Any]:
+def component_config(component: Any) -> dict[str, Any]:
     """A store component's config.json (weights components keep it canonicalised)."""
     if component is None:
         return {}
@@ -183,9 +184,9 @@ def image_rules(entry: Any, limits: Limits) -> ImageRules:
     cls = entry.class_name
     comps = entry.components
     params = _call_params(cls)
-    vae = _config(comps.get("vae"))
+    vae = component_config(comps.get("vae"))
     scale = _vae_scale(vae)
-    denoiser = _config(comps.get("transformer")) or _config(comps.get("unet"))
+    denoiser = component_config(comps.get("transformer")) or component_config(comps.get("unet"))
     patch = denoiser.get("patch_size")
     max_side, why = limits.max_side, "the worker's largest side"
     if cls.startswith("Flux"):
@@ -446,7 +447,7 @@ def video_rules(entry: Any) -> VideoRules:
     vae = entry.components.get("vae")
     if vae is None:
         return VideoRules(entry.name, None)
-    cfg = _config(vae)
+    cfg = component_config(vae)
     return VideoRules(
         entry.name,
         vae.class_name,

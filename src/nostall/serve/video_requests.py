@@ -32,7 +32,7 @@ from typing import Any
 
 from nostall.errors import ArgumentError
 from nostall.serve.bodies import ImageRef, VideoBody
-from nostall.serve.requests import Limits
+from nostall.serve.requests import Limits, component_config
 
 __all__ = ["GENERATE_PIPELINES", "GenerateRules", "check_generate", "generate_rules", "read_image"]
 
@@ -66,11 +66,6 @@ class GenerateRules:
         return f"{self.model} ({self.pipeline})"
 
 
-def _config(component: Any) -> dict[str, Any]:
-    cfg = getattr(component, "config", None)
-    return cfg if isinstance(cfg, dict) else {}
-
-
 def generate_rules(entry: Any) -> GenerateRules | None:
     """The :class:`GenerateRules` of store entry ``entry``, or ``None`` for a pipeline
     that does not generate video."""
@@ -78,8 +73,8 @@ def generate_rules(entry: Any) -> GenerateRules | None:
     if cls not in GENERATE_PIPELINES:
         return None
     comps = entry.components
-    vae = _config(comps.get("vae"))
-    transformer = _config(comps.get("transformer"))
+    vae = component_config(comps.get("vae"))
+    transformer = component_config(comps.get("transformer"))
     spatial = int(vae.get("scale_factor_spatial") or 8)
     temporal = int(vae.get("scale_factor_temporal") or 4)
     patch = transformer.get("patch_size") or (1, 2, 2)
