@@ -360,8 +360,7 @@ def test_lora_room_is_claimed_beside_the_cache_and_given_back(store):
 def test_start_refuses_a_store_whose_pipelines_can_never_fit_naming_them(store):
     from nostall.serve.worker import Worker
 
-    # flux (0.69 MB) fits; sdxl (1.61 MB) and sd3 (1.94 MB) never can; wan's jobs decode
-    # latents, so its VAE alone (55 kB) must fit, not its transformer
+    # flux (0.69 MB) and wan (0.19 MB) fit; sdxl (1.61 MB) and sd3 (1.94 MB) never can
     worker = Worker(store, device="cpu", gpu_budget=1_200_000, host_budget=64 << 20,
                     prepare=False)  # fmt: skip
     try:
@@ -380,9 +379,24 @@ def test_start_refuses_a_store_whose_pipelines_can_never_fit_naming_them(store):
     try:
         with pytest.raises(BudgetExceeded) as e:
             tight.start()
-        assert "wan" not in str(e.value)  # its VAE fits 100 kB
+        # wan's jobs generate videos: its whole pipeline (188 kB), not the VAE alone
+        assert "wan needs" in str(e.value)
     finally:
         tight.shutdown()
+
+
+def test_a_two_expert_pipeline_needs_one_expert_beside_the_rest(tmp_path):
+    from nostall.serve.budget import device_bytes, unfit
+    from nostall.store.catalog import Store
+    from nostall.synthetic import write_store
+
+    write_store(tmp_path, ("wan22",))
+    entry = Store(tmp_path, cache_dir=tmp_path / "index").entry("wan22")
+    sizes = {c.role: device_bytes(c, None) for c in entry.distinct_weights()}
+    need = sum(sizes.values()) - min(sizes["transformer"], sizes["transformer_2"])
+    assert unfit([(entry, ())], need, None) is None
+    error = unfit([(entry, ())], need - 1, None)
+    assert error is not None and error.requested == need
 
 
 def test_a_broken_pipeline_folder_is_left_out_and_the_others_are_served(store, tmp_path):

@@ -29,6 +29,7 @@ Locks: ``_switching`` admits one switch at a time (they share one copy stream);
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -47,6 +48,7 @@ from nostall.adapters.lora import ROLES as LORA_ROLES
 from nostall.cache import placement
 from nostall.cache.config import CacheConfig, resolve_config
 from nostall.cache.device import DeviceTier, Slot
+from nostall.cache.experts import Experts, expert_roles
 from nostall.cache.holds import Hold, Holds
 from nostall.cache.host import HostTier, cpu_tier_bytes, parse_host_tier, store_bytes
 from nostall.cache.modules import Instance, Instances
@@ -59,6 +61,7 @@ from nostall.errors import (
     ClosedError,
     InternalError,
     UnknownModel,
+    UnsupportedError,
 )
 from nostall.memory.events import event_done
 from nostall.memory.host import memory_limit
@@ -238,8 +241,20 @@ class ModelCache:
         """
         wanted = lora_weights(loras)  # checked before anything moves
         base = name
+        experts = None
         if controlnet is not None:
             name = self._with_controlnet(name, controlnet)
+        else:
+            experts = expert_roles(self.store.entry(name), _roles(without))
+        if experts is not None:
+            if wanted:
+                raise UnsupportedError(
+                    f"{name}: LoRAs on a two-expert pipeline (transformer and "
+                    "transformer_2) are not served yet; call it without loras"
+                )
+            with self._use_experts(name, _roles(without), experts) as pipe:
+                yield pipe
+            return
         pipe, _, hold = self._switch(name, mode="use", without=without)
         entered: list[Any] = []
         try:
@@ -248,6 +263,68 @@ class ModelCache:
         finally:
             self._fusions.leave(entered)
             self._release(hold)
+
+    @contextlib.contextmanager
+    def _use_experts(
+        self, name: str, without: frozenset[str], roles: tuple[str, str]
+    ) -> Iterator[Any]:
+        """``use()`` of a two-expert pipeline (:mod:`~nostall.cache.experts`): the other
+        components held for the block, one expert at a time beside them."""
+        entry = self.store.entry(name)
+        others = frozenset(r for r, c in entry.components.items() if c is not None and c.weights)
+        pipe, report, hold = self._switch(name, mode="use", without=without | set(roles))
+
+        def switch(role: str) -> tuple[Instance, Hold, SwitchReport]:
+            _, rep, h = self._switch(name, mode="use", without=others - {role}, build=False)
+            with self._lock:
+                return self._modules.holding(entry.components[role]), h, rep
+
+        def prefetch(role: str) -> Future:
+            leave = others - {role}
+            return self._prefetcher.submit(
+                lambda: self._switch(name, mode="prefetch", without=leave)[1]
+            )
+
+        def check(inst: Instance, h: Hold) -> None:
+            self._check_open()
+            stream = self._stream()
+            if inst.slot is None or not inst.slot.ready or h.digests.isdisjoint({inst.digest}):
+                raise InternalError(
+                    f"pipeline {name!r}: an expert left the device inside its use() block"
+                )
+            if h.note(stream) and inst.slot.done is not None:
+                stream.wait_event(inst.slot.done)
+
+        experts = Experts(
+            pipe, roles, switch=switch, release=self._release, prefetch=prefetch, check=check
+        )
+        try:
+            first = experts.enter()
+            self._merge(report, first)
+            object.__setattr__(pipe, "nostall_experts", experts)
+            yield pipe
+        finally:
+            object.__setattr__(pipe, "nostall_experts", None)
+            try:
+                experts.close()
+            finally:
+                self._release(hold)
+
+    def _merge(self, base: SwitchReport, expert: SwitchReport) -> None:
+        """One report for a block's entry: the base components' switch and its first
+        expert's, in the order they ran."""
+        with self._lock:
+            for r in (base, expert):
+                with contextlib.suppress(ValueError):
+                    self.reports.remove(r)
+            merged = dataclasses.replace(
+                base,
+                total_s=base.total_s + expert.total_s,
+                components=base.components + expert.components,
+                evicted=base.evicted + expert.evicted,
+                wait_s=base.wait_s + expert.wait_s,
+            )
+            self.reports.append(merged)
 
     def controlnets(self) -> list[str]:
         """The ControlNet names under ``<store>/controlnets``."""
@@ -449,7 +526,7 @@ class ModelCache:
     # ---- the switch --------------------------------------------------------------
 
     def _switch(
-        self, name: str, *, mode: str, without: Iterable[str] = ()
+        self, name: str, *, mode: str, without: Iterable[str] = (), build: bool = True
     ) -> tuple[Any, SwitchReport, Hold | None]:
         t0 = time.perf_counter()
         self._check_open()
@@ -508,7 +585,11 @@ class ModelCache:
             if hold is not None:
                 hold.note(stream)  # ordered after the copies just below
             with self._lock:
-                pipe = None if mode == "prefetch" else self._pipeline_for(entry, without, hold)
+                pipe = (
+                    self._pipeline_for(entry, without, hold)
+                    if build and mode != "prefetch"
+                    else None
+                )
             if mode != "prefetch" and stream is not None:
                 # A prefetch did not join the copies to its stream: the consumer does.
                 for c in comps:

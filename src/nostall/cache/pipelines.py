@@ -11,7 +11,10 @@ as pipeline options, and ``_name_or_path`` registered.
 Each pipeline object is an instance of a subclass of the folder's pipeline class that
 adds one check to ``__call__``: a pipeline whose components were switched out since
 (evicted, or a shared module now holding another checkpoint's weights) raises
-:class:`~nostall.ClosedError` instead of computing with the wrong weights.
+:class:`~nostall.ClosedError` instead of computing with the wrong weights. A two-expert
+pipeline's ``use()`` block also routes each call through its
+:class:`~nostall.cache.experts.Experts` (the attribute ``nostall_experts``), which
+switches the second expert in at the boundary step.
 
 Pipeline objects carry per-run state (the scheduler's timesteps), so :class:`Pipelines`
 lends each ``use()`` block one that no other block is using, and keeps them for reuse.
@@ -173,6 +176,9 @@ class Assembler:
         if cls is None:
 
             def __call__(self, *args: Any, **kwargs: Any) -> Any:
+                experts = self.__dict__.get("nostall_experts")
+                if experts is not None:  # two experts: the first in, the boundary's switch
+                    kwargs = experts.call_kwargs(kwargs)
                 check = getattr(self, "_nostall_check", None)
                 if check is not None:
                     check()

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from nostall.cache.device import DeviceTier
+from nostall.cache.experts import expert_roles
 from nostall.cache.report import human_bytes
 from nostall.errors import ArgumentError, BudgetExceeded, NostallError
 from nostall.store.catalog import ComponentEntry, PipelineEntry, Store
@@ -119,9 +120,9 @@ def unfit(
 ) -> BudgetExceeded | None:
     """The error naming every pipeline whose job the device tier of ``tier`` bytes can
     never hold, ``None`` when all fit. A job needs its pipeline's distinct weights
-    components at once, but the roles it leaves out (``jobs``: ``(entry, roles)``; the
-    VAE alone for a video pipeline, no text encoders where an embedding service stands
-    in). One that fits only without its text encoders is said in the log (it cannot
+    components at once, but the roles it leaves out (``jobs``: ``(entry, roles)``; no
+    text encoders where an embedding service stands in), and of a two-expert pipeline
+    (Wan 2.2 A14B) only the larger expert. One that fits only without its text encoders is said in the log (it cannot
     fall back to encoding locally). ``budget``: the account the message shows.
 
     >>> error = unfit([(store.entry("flux"), ())], 20 << 30, torch.bfloat16)  # doctest: +SKIP
@@ -130,10 +131,12 @@ def unfit(
     """
     problems, most = [], 0
     for entry, leaves_out in jobs:
-        sizes = {
-            c.role: device_bytes(c, dtype) for c in entry.distinct_weights(frozenset(leaves_out))
-        }
+        leaves_out = frozenset(leaves_out)
+        sizes = {c.role: device_bytes(c, dtype) for c in entry.distinct_weights(leaves_out)}
         need = sum(sizes.values())
+        experts = expert_roles(entry, leaves_out)
+        if experts is not None:  # one expert at a time beside the rest (cache.experts)
+            need -= min(sizes[r] for r in experts)
         if need > tier:
             role = max(sizes, key=sizes.__getitem__)
             most = max(most, need)

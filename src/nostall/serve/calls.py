@@ -105,16 +105,25 @@ class PhaseClock:
         self.last: Any = None
         self._open: Any = None
         self._hooks = []
+        self._removed = False
         for name in self._TEXT:
             m = getattr(pipe, name, None)
             if isinstance(m, torch.nn.Module):
                 self._hooks.append(m.register_forward_pre_hook(self._text_in))
                 self._hooks.append(m.register_forward_hook(self._text_out))
+        self._hooked: set[int] = set()
         for name in self._DENOISE:
-            m = getattr(pipe, name, None)
-            if isinstance(m, torch.nn.Module):
-                self._hooks.append(m.register_forward_pre_hook(self._denoise_in))
-                self._hooks.append(m.register_forward_hook(self._denoise_out))
+            self._watch(name, getattr(pipe, name, None))
+        experts = getattr(pipe, "nostall_experts", None)
+        if experts is not None:  # a two-expert pipeline's second comes in mid-call
+            experts.on_swap(self._watch)
+
+    def _watch(self, role: str, m: Any) -> None:
+        if not isinstance(m, torch.nn.Module) or id(m) in self._hooked or self._removed:
+            return
+        self._hooked.add(id(m))
+        self._hooks.append(m.register_forward_pre_hook(self._denoise_in))
+        self._hooks.append(m.register_forward_hook(self._denoise_out))
 
     def _mark(self) -> Any:
         if self.cuda:
@@ -146,6 +155,7 @@ class PhaseClock:
         self.last = self._mark()
 
     def remove(self) -> None:
+        self._removed = True
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

@@ -335,7 +335,11 @@ class Runner:
                 done = time.perf_counter()
             finally:
                 clock.remove()
+            experts = getattr(pipe, "nostall_experts", None)
+            boundary = [r.total_s for r in experts.reports] if experts is not None else []
         phases = {"switch": switched - start, **_switch_phases(report), **clock.phases(t)}
+        if boundary:  # the second expert's switch, inside the denoise span
+            phases["expert_switch"] = sum(boundary)
         phases["decode"] = launched - t  # launched; the writer thread finishes the file
         phases["sync"] = done - launched
         info = {"seed": job.seed, "frames": job.frames, "written": written}

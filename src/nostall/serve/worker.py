@@ -368,8 +368,8 @@ class Worker:
 
     def _job_leaves_out(self, entry: Any) -> tuple[str, ...]:
         """The weights components a job of ``entry`` runs without."""
-        if video_only(entry):
-            return tuple(c.role for c in entry.weights if c.role != "vae")
+        if video_only(entry):  # its generation jobs: every component (decode: the VAE)
+            return ()
         return self.runner.remote_roles(entry.name)
 
     def _leave_out(self, name: str, e: BaseException) -> None:

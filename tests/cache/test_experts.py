@@ -1,0 +1,146 @@
+"""Wan 2.2's two experts under budgets that hold both, or one at a time."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import nostall
+from nostall.errors import BudgetExceeded, UnsupportedError
+
+MB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def wan22(tmp_path_factory):
+    from nostall.synthetic import write_store
+
+    folder = tmp_path_factory.mktemp("wan22")
+    write_store(folder, ("wan22",))
+    return folder
+
+
+def _call(pipe, steps: int = 6, **kw):
+    g = torch.Generator("cpu").manual_seed(3)
+    return pipe(prompt="a cat", height=16, width=16, num_frames=5, num_inference_steps=steps,
+                max_sequence_length=16, generator=g, output_type="np", **kw).frames  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(wan22):
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(str(wan22 / "wan22"))
+    pipe.set_progress_bar_config(disable=True)
+    calls = {"transformer": 0, "transformer_2": 0}
+    for role in calls:
+        getattr(pipe, role).register_forward_pre_hook(
+            lambda m, a, role=role: calls.__setitem__(role, calls[role] + 1)
+        )
+    frames = _call(pipe)
+    assert calls["transformer"] and calls["transformer_2"]  # the boundary is inside
+    return frames, calls
+
+
+def _sizes(wan22, tmp_path):
+    with nostall.ModelCache(wan22, device="cpu", cache_dir=tmp_path) as c:
+        with c.use("wan22") as pipe:
+            pipe.set_progress_bar_config(disable=True)
+            _call(pipe, steps=1)
+        return None, {r.role: r.nbytes for rep in c.reports for r in rep.components}
+
+
+def test_both_experts_fit_the_second_is_prefetched_and_frames_equal(wan22, reference, tmp_path):
+    with nostall.ModelCache(wan22, device="cpu", cache_dir=tmp_path) as c:
+        with c.use("wan22") as pipe:
+            pipe.set_progress_bar_config(disable=True)
+            entered = c.last_report
+            frames = _call(pipe)
+            assert pipe.nostall_experts.current == "transformer_2"
+            boundary = pipe.nostall_experts.reports
+        assert np.array_equal(frames, reference[0])
+        # the entry's report: every component but the second expert, in one row each
+        roles = [r.role for r in entered.components]
+        assert "transformer" in roles and "transformer_2" not in roles
+        assert any(r.prefetch and "transformer_2" in [x.role for x in r.components]
+                   for r in c.reports)  # fmt: skip
+        assert len(boundary) == 1 and boundary[0].moved_bytes == 0  # it was there already
+        assert pipe.transformer is None and pipe.transformer_2 is None  # the block ended
+        # a second block moves nothing
+        with c.use("wan22") as pipe:
+            again = _call(pipe)
+        assert c.last_report.moved_bytes == 0
+        assert np.array_equal(again, reference[0])
+
+
+def test_one_expert_at_a_time_switches_at_the_boundary(wan22, reference, tmp_path):
+    _, rows = _sizes(wan22, tmp_path / "sizes")
+    expert = rows["transformer"]
+    rest = sum(n for role, n in rows.items() if not role.startswith("transformer"))
+    budget = rest + expert + expert // 2  # room for one expert, not two
+    with nostall.ModelCache(wan22, device="cpu", gpu_budget=budget, cache_dir=tmp_path) as c:
+        with c.use("wan22") as pipe:
+            pipe.set_progress_bar_config(disable=True)
+            seen = []
+            pipe.nostall_experts.on_swap(lambda role, m: seen.append(role))
+            frames = _call(pipe)
+            (switch,) = pipe.nostall_experts.reports
+            assert switch.moved_bytes == expert
+            assert any("transformer" in e for e in switch.evicted)  # the first one left
+            assert seen == ["transformer_2"]
+            # a second call in the block starts again from the first expert
+            assert np.array_equal(_call(pipe), reference[0])
+            assert seen == ["transformer_2", "transformer", "transformer_2"]
+            assert c.stats().gpu_bytes <= budget
+        assert np.array_equal(frames, reference[0])
+        assert not any(r.prefetch and r.moved_bytes for r in c.reports)  # no room for it
+
+
+def test_a_user_callback_still_runs_and_a_callback_object_keeps_its_inputs(wan22, reference,
+                                                                           tmp_path):  # fmt: skip
+    from diffusers.callbacks import PipelineCallback
+
+    class Count(PipelineCallback):
+        tensor_inputs = ("latents", "prompt_embeds")
+
+        def __init__(self):
+            super().__init__(cutoff_step_ratio=None, cutoff_step_index=100)
+            self.steps = []
+
+        def callback_fn(self, pipeline, step_index, timesteps, callback_kwargs):
+            assert "prompt_embeds" in callback_kwargs
+            self.steps.append(step_index)
+            return {}
+
+    steps = []
+    cache = nostall.ModelCache(wan22, device="cpu", cache_dir=tmp_path)
+    with cache, cache.use("wan22") as pipe:
+        frames = _call(pipe, callback_on_step_end=lambda p, i, t, k: steps.append(i) or {})
+        counted = Count()
+        again = _call(pipe, callback_on_step_end=counted)
+    assert steps == list(range(6)) and counted.steps == list(range(6))
+    assert np.array_equal(frames, reference[0]) and np.array_equal(again, reference[0])
+
+
+def test_leaving_an_expert_out_uses_the_pipeline_as_given(wan22, tmp_path):
+    cache = nostall.ModelCache(wan22, device="cpu", cache_dir=tmp_path)
+    with cache, cache.use("wan22", without=["transformer_2"]) as pipe:
+        assert pipe.transformer is not None and pipe.transformer_2 is None
+        assert getattr(pipe, "nostall_experts", None) is None
+
+
+def test_a_budget_without_room_for_one_expert_and_loras_are_refused(wan22, tmp_path):
+    _, rows = _sizes(wan22, tmp_path / "sizes")
+    rest = sum(n for role, n in rows.items() if not role.startswith("transformer"))
+    with nostall.ModelCache(wan22, device="cpu", gpu_budget=rest + 1024, cache_dir=tmp_path) as c:
+        with pytest.raises(BudgetExceeded), c.use("wan22"):
+            pass
+        assert c.stats().gpu_bytes <= rest + 1024
+    cache = nostall.ModelCache(wan22, device="cpu", cache_dir=tmp_path)
+    with (
+        cache,
+        pytest.raises(UnsupportedError, match="two-expert"),
+        cache.use("wan22", loras={"x": 1}),
+    ):
+        pass
