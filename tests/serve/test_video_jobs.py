@@ -218,6 +218,59 @@ def test_a_restarted_worker_lists_finished_videos_and_fails_interrupted_ones(sto
         assert ok.status_code == 200 and len(ok.content) > 0
 
 
+def test_metrics_and_the_status_page_show_completed_failed_and_cancelled_jobs(store, tmp_path):
+    """One job of each end on a fresh worker: cancelled while running, completed (its
+    prompt markup, escaped on the page), failed (a folder where its MP4 belongs)."""
+    from nostall.serve.app import create_app
+    from nostall.serve.local import BackgroundServer
+    from nostall.serve.worker import Worker
+
+    w = Worker(store, device="cpu", gpu_budget=64 << 20, host_budget=64 << 20, prepare=False,
+               video_dir=str(tmp_path))  # fmt: skip
+    with BackgroundServer(create_app(w)) as s:
+        url = s.url
+        long = httpx.post(f"{url}/v1/videos", json=_body(steps=150, seed=7)).json()["id"]
+        _wait(url, long, until=("in_progress",))
+        ok = httpx.post(f"{url}/v1/videos", json=_body(prompt="<script>alert(1)</script>"))
+        ok = ok.json()["id"]
+        bad = httpx.post(f"{url}/v1/videos", json=_body(seed=9)).json()["id"]
+        # queued behind the long one: a folder of files where its MP4 goes, which no sink
+        # writes over
+        (tmp_path / f"{bad}.mp4").mkdir()
+        (tmp_path / f"{bad}.mp4" / "keep").write_bytes(b"")
+        assert httpx.delete(f"{url}/v1/videos/{long}").json()["status"] == "cancelled"
+        assert _wait(url, ok)[0]["status"] == "completed"
+        failed = _wait(url, bad)[0]
+        assert failed["status"] == "failed" and "folder" in failed["error"]["message"]
+        size = len(httpx.get(f"{url}/v1/videos/{ok}/content").content)
+
+        text = httpx.get(f"{url}/metrics").text
+        for status in ("completed", "failed", "cancelled"):
+            assert f'nostall_video_jobs{{status="{status}"}} 1.0' in text
+            assert f'nostall_video_jobs_ended_total{{status="{status}"}} 1.0' in text
+        assert 'nostall_video_jobs{status="queued"} 0.0' in text
+        assert f"nostall_video_bytes {float(size)}" in text
+        assert "nostall_video_job_seconds_count 1.0" in text
+        assert 'nostall_video_phase_seconds_count{phase="denoise"} 1.0' in text
+        assert 'nostall_video_phase_seconds_count{phase="decode_write"} 1.0' in text
+        assert "nostall_video_frames_total 5.0" in text
+        info = httpx.get(f"{url}/v1/videos/{ok}").json()["nostall"]["info"]
+        assert info["phases"]["decode_write"] > 0
+
+        page = httpx.get(f"{url}/").text
+        assert "<h2>Video jobs</h2>" in page and all(v in page for v in (long, ok, bad))
+        assert "<script>" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+        assert f'<a href="/v1/videos/{ok}/content">MP4</a>' in page
+        assert page.count("/content") == 1  # only the completed one has a video
+        assert f"<b>{failed['error']['code']}</b>" in page
+        # deleting the completed video takes it off the gauges
+        httpx.delete(f"{url}/v1/videos/{ok}")
+        text = httpx.get(f"{url}/metrics").text
+        assert 'nostall_video_jobs{status="completed"} 0.0' in text
+        assert "nostall_video_bytes 0.0" in text
+        assert 'nostall_video_jobs_ended_total{status="completed"} 1.0' in text
+
+
 def test_a_worker_without_video_pipelines_says_so(tmp_path):
     from nostall.serve.app import create_app
     from nostall.serve.local import BackgroundServer
@@ -229,6 +282,8 @@ def test_a_worker_without_video_pipelines_says_so(tmp_path):
     with BackgroundServer(create_app(w)) as s:
         r = httpx.post(f"{s.url}/v1/videos", json=_body())
         assert r.status_code == 404 and r.json()["error"]["type"] == "no_video_pipelines"
+        assert "nostall_video" not in httpx.get(f"{s.url}/metrics").text
+        assert "Video jobs" not in httpx.get(f"{s.url}/").text
     assert not (tmp_path / "v").exists()  # nothing made for a worker that makes no video
 
 

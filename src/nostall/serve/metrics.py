@@ -3,17 +3,28 @@ its own registry: two in one process, as in the tests, never share counters).
 
 Label values never come from a request unchecked: a model name the worker does not serve
 is counted as ``"unknown"``, so clients cannot grow the number of series.
+
+A worker that serves video jobs adds :class:`VideoMetrics` to its registry when they open;
+one that serves none exposes no ``nostall_video_*`` series at all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import logging
+from collections.abc import Callable, Collection, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 
-__all__ = ["EmbedMetrics", "FleetMetrics", "WorkerMetrics"]
+from nostall.errors import NostallError
+
+__all__ = ["EmbedMetrics", "FleetMetrics", "VideoMetrics", "WorkerMetrics"]
+
+log = logging.getLogger(__name__)
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
+# A video job takes from seconds (a tiny test pipeline) to an hour (Wan 14B at 720p).
+_VIDEO_SECONDS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
 
 
 class WorkerMetrics:
@@ -53,6 +64,17 @@ class WorkerMetrics:
         self.tier_bytes = Gauge(
             "nostall_tier_bytes", "Weights resident per tier.", ["tier"], registry=r
         )
+        self.videos: VideoMetrics | None = None  # once the worker serves video jobs
+
+    def watch_videos(self, counts: Callable[[], dict[str, int]]) -> VideoMetrics:
+        """Add the video jobs' metrics, their gauges read from ``counts`` at each scrape
+        (:meth:`VideoJobs.counts <nostall.serve.video_jobs.VideoJobs.counts>`); a second
+        call only points the gauges at the new ``counts``."""
+        if self.videos is None:
+            self.videos = VideoMetrics(self.registry, counts)
+        else:
+            self.videos.counts.source = counts
+        return self.videos
 
     def answered(
         self, endpoint: str, model: str, status: int, seconds: float, known: Collection[str]
@@ -65,6 +87,94 @@ class WorkerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class VideoMetrics:
+    """A worker's video jobs. The jobs by status and the bytes of the videos kept are read
+    from the job store at each scrape, so they count what a previous process left too;
+    the counters and histograms count what this process ended since it started.
+
+    >>> r = CollectorRegistry()
+    >>> m = VideoMetrics(r, lambda: {"queued": 0, "completed": 1, "bytes": 2048})
+    >>> m.completed(seconds=12.5, denoise=10.0, decode_write=2.0, frames=81)
+    >>> b'nostall_video_jobs{status="completed"} 1.0' in generate_latest(r)
+    True
+    """
+
+    def __init__(self, registry: CollectorRegistry, counts: Callable[[], dict[str, int]]):
+        r = registry
+        self.counts = _VideoCounts(counts)
+        r.register(self.counts)
+        self.ended = Counter(
+            "nostall_video_jobs_ended",
+            "Video jobs this process ended, by how: completed, failed or cancelled.",
+            ["status"],
+            registry=r,
+        )
+        for status in ("completed", "failed", "cancelled"):
+            self.ended.labels(status)  # every series from the start, at 0
+        self.job_seconds = Histogram(
+            "nostall_video_job_seconds",
+            "Time of a completed video job from in_progress to its MP4 in place.",
+            buckets=_VIDEO_SECONDS,
+            registry=r,
+        )
+        self.phases = Histogram(
+            "nostall_video_phase_seconds",
+            "A completed video job's denoising steps (denoise), and its frames decoded, "
+            "encoded and renamed into place (decode_write).",
+            ["phase"],
+            buckets=_VIDEO_SECONDS,
+            registry=r,
+        )
+        self.frames = Counter(
+            "nostall_video_frames", "Frames written into completed videos.", registry=r
+        )
+
+    def completed(
+        self, *, seconds: float | None, denoise: float | None, decode_write: float, frames: int
+    ) -> None:
+        """Count one completed job (``None``: a time that was not measured)."""
+        self.ended.labels("completed").inc()
+        if seconds is not None:
+            self.job_seconds.observe(seconds)
+        if denoise is not None:
+            self.phases.labels("denoise").observe(denoise)
+        self.phases.labels("decode_write").observe(decode_write)
+        self.frames.inc(frames)
+
+
+class _VideoCounts:
+    """``nostall_video_jobs{status}`` and ``nostall_video_bytes``, read at each scrape
+    from ``source`` (its dict: every status and ``bytes``)."""
+
+    def __init__(self, source: Callable[[], dict[str, int]]):
+        self.source = source
+
+    def describe(self) -> list[Metric]:
+        return list(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            counts = self.source()
+        except NostallError as e:  # (the store closed: the worker is shutting down)
+            log.debug("video job counts left out of a scrape: %s", e)
+            counts = None
+        return self._families(counts)
+
+    @staticmethod
+    def _families(counts: dict[str, int] | None = None) -> Iterator[Metric]:
+        jobs = GaugeMetricFamily(
+            "nostall_video_jobs", "Video jobs kept, by status.", labels=["status"]
+        )
+        size = GaugeMetricFamily("nostall_video_bytes", "Bytes of the completed videos kept.")
+        if counts is not None:
+            for status, n in counts.items():
+                if status != "bytes":
+                    jobs.add_metric([status], n)
+            size.add_metric([], counts["bytes"])
+        yield jobs
+        yield size
 
 
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)

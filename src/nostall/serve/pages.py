@@ -4,6 +4,7 @@ looks at, refreshed every five seconds."""
 from __future__ import annotations
 
 import html
+import time
 from typing import Any
 
 __all__ = ["fleet_page", "worker_page"]
@@ -21,8 +22,13 @@ def _state(s: dict[str, Any]) -> str:
     return "ready" if s["ready"] else "not ready"
 
 
-def worker_page(s: dict[str, Any]) -> str:
-    """The worker's status page (``GET /``) from :meth:`Worker.status`."""
+def worker_page(
+    s: dict[str, Any], *, videos: list[dict[str, Any]] | None = None, videos_down: str | None = None
+) -> str:
+    """The worker's status page (``GET /``) from :meth:`Worker.status`; with video jobs
+    (``s["videos"]``, their counts), ``videos`` are the newest of them as OpenAI video
+    objects (:meth:`VideoJobs.recent <nostall.serve.video_jobs.VideoJobs.recent>`), and
+    ``videos_down`` says why a worker whose pipelines make video serves no video jobs."""
     e = html.escape
 
     def gb(n: int) -> str:
@@ -62,8 +68,58 @@ queued: {len(s["queue"])}</p>
 <h2>Models</h2><table><tr><th>model</th><th>where its components are</th></tr>{rows}</table>
 <h2>Recent requests</h2>
 <table><tr><th>at</th><th>kind</th><th>model</th><th>switch from</th>{head}</tr>{recent}</table>
-</body></html>"""
+{_video_section(s.get("videos"), videos or [], videos_down)}</body></html>"""
     )
+
+
+def _video_section(
+    counts: dict[str, int] | None, jobs: list[dict[str, Any]], down: str | None
+) -> str:
+    """Video jobs: how many per status, then the newest, each with its progress. Every
+    string a client gave (prompt, model) or an error carries is escaped."""
+    e = html.escape
+    if counts is None:
+        return "" if down is None else f"<h2>Video jobs</h2><p><b>not served</b>: {e(down)}</p>"
+    statuses = [k for k in counts if k != "bytes"]
+    head = "".join(f"<th>{e(k)}</th>" for k in statuses)
+    cells = "".join(f"<td>{int(counts[k])}</td>" for k in statuses)
+    rows = "".join(_video_row(j) for j in jobs)
+    return f"""<h2>Video jobs</h2>
+<table><tr>{head}<th>videos kept</th></tr>
+<tr>{cells}<td>{counts["bytes"] / 1e9:.2f} GB</td></tr></table>
+<h3>Newest</h3>
+<table><tr><th>id</th><th>model</th><th>prompt</th><th>status</th><th>progress</th>
+<th>size</th><th>seconds</th><th>created</th><th>ended</th><th>phases (s)</th><th></th></tr>
+{rows}</table>
+"""
+
+
+def _video_row(j: dict[str, Any]) -> str:
+    e = html.escape
+    vid, status, progress = str(j["id"]), str(j["status"]), int(j["progress"])
+    prompt = str(j["prompt"])
+    short = prompt if len(prompt) <= 80 else prompt[:79] + "…"  # cut before escaping
+    if status == "completed":
+        last = f'<a href="/v1/videos/{e(vid)}/content">MP4</a>'
+    elif status == "failed" and j.get("error"):
+        err = j["error"]
+        last = f"<b>{e(str(err.get('code')))}</b>: {e(str(err.get('message')))}"
+    else:
+        last = ""
+    phases = (j.get("nostall") or {}).get("info", {}).get("phases", {})
+    took = " · ".join(f"{k} {phases[k]:.1f}" for k in ("denoise", "decode_write") if k in phases)
+    return (
+        f"<tr><td>{e(vid)}</td><td>{e(str(j['model']))}</td>"
+        f"<td>{e(short)}</td><td>{e(status)}</td>"
+        f'<td><progress value="{progress}" max="100"></progress> {progress}%</td>'
+        f"<td>{e(str(j['size']))}</td><td>{e(str(j['seconds']))}</td>"
+        f"<td>{_when(j.get('created_at'))}</td><td>{_when(j.get('completed_at'))}</td>"
+        f"<td>{took}</td><td>{last}</td></tr>"
+    )
+
+
+def _when(t: float | None) -> str:
+    return "" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
 def fleet_page(s: dict[str, Any]) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -36,13 +37,16 @@ class VideoJobs:
     """The video jobs of ``worker`` (a :class:`~nostall.serve.worker.Worker`), kept in
     ``folder`` (the MP4s and ``videos.sqlite``) within ``max_bytes`` of videos
     (oldest removed first). Opening it marks the jobs a previous process left
-    unfinished failed (``interrupted``)."""
+    unfinished failed (``interrupted``), and adds the ``nostall_video_*`` metrics to
+    the worker's (:class:`~nostall.serve.metrics.VideoMetrics`)."""
 
     def __init__(self, worker: Any, folder: str, *, max_bytes: int | None = None):
         self.worker = worker
         self.store = VideoStore(folder, max_bytes=max_bytes)
         self._lock = threading.Lock()
         self._live: dict[str, tuple[GenerateJob, threading.Event]] = {}  # queued/running
+        self._began: dict[str, float] = {}  # running: perf_counter when it went in_progress
+        self.metrics = worker.metrics.watch_videos(self.counts)
 
     def close(self) -> None:
         self.store.close()
@@ -107,8 +111,9 @@ class VideoJobs:
         last = [-1]
 
         def progress(steps: int, frames: int) -> None:
-            if frames == 0 and steps <= 1 and last[0] < 0:
-                self.store.start(job.id)
+            if frames == 0 and steps <= 1 and last[0] < 0 and self.store.start(job.id):
+                with self._lock:
+                    self._began[job.id] = time.perf_counter()
             share = DENOISE_SHARE * steps // job.steps
             if frames:
                 share = DENOISE_SHARE + (99 - DENOISE_SHARE) * frames // job.frames
@@ -141,7 +146,9 @@ class VideoJobs:
             info = {
                 "frames": out.frames,
                 "fps": out.fps,
-                "phases": {**phases, "write_close": stats.close_s},
+                # decode_write: from the decode's launch to the MP4 in place (the frame
+                # pipeline's run: chunks decoded, copied, encoded, the file renamed)
+                "phases": {**phases, "decode_write": stats.wall_s, "write_close": stats.close_s},
                 "switch": {
                     "moved_bytes": result.switch.get("moved_bytes", 0),
                     "tiers": sorted({c["tier"] for c in result.switch.get("components", [])}),
@@ -150,24 +157,38 @@ class VideoJobs:
             }
             with self._lock:
                 self._live.pop(job.id, None)
+                began = self._began.pop(job.id, None)
             try:
-                self.store.complete(job.id, info=info)
+                if not self.store.complete(job.id, info=info):
+                    return  # cancelled meanwhile: counted by cancel()
             except Exception:  # (the store closed under a late writer): said, not raised
                 log.exception("video %s was written but could not be recorded", job.id)
+                return
+            self.metrics.completed(
+                seconds=None if began is None else time.perf_counter() - began,
+                denoise=phases.get("denoise"),
+                decode_write=stats.wall_s,
+                frames=out.frames,
+            )
 
         written.add_done_callback(finished)
 
     def _settle_error(self, job: GenerateJob, e: BaseException) -> None:
         with self._lock:
             self._live.pop(job.id, None)
+            self._began.pop(job.id, None)
         try:
             if isinstance(e, Cancelled):  # cancel() stopped it, or it never ran
-                self.store.cancel(job.id)
+                status, changed = "cancelled", self.store.cancel(job.id)
             else:
                 code = "shutting_down" if isinstance(e, ShuttingDown) else _code(e)
-                self.store.fail(job.id, code, f"{type(e).__name__}: {e}"[:2000])
+                status = "failed"
+                changed = self.store.fail(job.id, code, f"{type(e).__name__}: {e}"[:2000])
         except Exception:
             log.exception("video %s ended (%s) but could not be recorded", job.id, e)
+            return
+        if changed:  # (False: cancel() ended it first, and counted it)
+            self.metrics.ended.labels(status).inc()
 
     # ---- what the routes ask -------------------------------------------------------
 
@@ -205,7 +226,8 @@ class VideoJobs:
             if live is not None:
                 live[0].cancel.set()  # a running job stops at its next step
                 live[1].set()  # a queued one is skipped
-            self.store.cancel(vid)
+            if self.store.cancel(vid):
+                self.metrics.ended.labels("cancelled").inc()
             return as_openai(self.store.get(vid))
         self.store.delete(vid)
         return {"id": vid, "object": "video.deleted", "deleted": True}
@@ -226,6 +248,10 @@ class VideoJobs:
 
     def counts(self) -> dict[str, Any]:
         return self.store.counts()
+
+    def recent(self, n: int = 20) -> list[dict]:
+        """The ``n`` (1..100) newest jobs as OpenAI video objects (the status page's)."""
+        return self.list(limit=n)["data"]
 
 
 def _code(e: BaseException) -> str:

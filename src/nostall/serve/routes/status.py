@@ -38,7 +38,10 @@ async def metrics(worker: WorkerDep) -> Response:
 
 @router.get("/", response_class=HTMLResponse)
 async def status_page(worker: WorkerDep) -> str:
-    return worker_page(worker.status())
+    jobs = getattr(worker, "videos", None)  # (the video jobs' routes ask the same way)
+    videos = None if jobs is None else jobs.recent(20)
+    down = getattr(worker, "videos_unavailable", None)
+    return worker_page(worker.status(), videos=videos, videos_down=down)
 
 
 @router.get("/status.json")
