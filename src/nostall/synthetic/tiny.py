@@ -482,6 +482,10 @@ def write_store(
 
     if size not in ("tiny", "full"):
         raise ArgumentError(f"size={size!r}; choose 'tiny' or 'full'")
+    if size == "full":  # siblings first, links, the room checked (nostall.synthetic.full)
+        from nostall.synthetic.full import write_full_store
+
+        return write_full_store(folder, tuple(pipelines), device=device, progress=progress)
     unknown = [p for p in pipelines if p not in _TINY]
     if unknown:
         raise ArgumentError(f"unknown pipelines {unknown}; choose from {list(_TINY)}")
@@ -498,16 +502,11 @@ def write_store(
                     continue
         if progress is not None:
             progress(f"writing {size} {name} pipeline to {path}")
-        if size == "tiny":
-            # diffusers logs its own progress bars and warnings here; quiet them.
-            logging.getLogger("diffusers").setLevel(logging.ERROR)
-            pipe = _TINY[name]()
-            pipe.save_pretrained(path, safe_serialization=True)
-            _hub_class_names(path)
-        else:
-            from nostall.synthetic.full import write_full
-
-            write_full(name, path, device=device, progress=progress)
+        # diffusers logs its own progress bars and warnings here; quiet them.
+        logging.getLogger("diffusers").setLevel(logging.ERROR)
+        pipe = _TINY[name]()
+        pipe.save_pretrained(path, safe_serialization=True)
+        _hub_class_names(path)
         with open(stamp, "w") as f:
             json.dump({"size": size, "name": name}, f)
     return out
