@@ -363,3 +363,8 @@ def check_fits(lora: Lora, components: dict[str, torch.nn.Module]) -> None:
                 layer=f"{x.role}.{x.module}",
                 shapes=(have, want),
             )
+
+
+def adaptable(pipe: Any) -> dict[str, torch.nn.Module]:
+    """The modules of ``pipe`` a LoRA may adapt, by role (:data:`ROLES`)."""
+    return {r: m for r in ROLES if isinstance(m := getattr(pipe, r, None), torch.nn.Module)}

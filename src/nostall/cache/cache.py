@@ -29,7 +29,6 @@ Locks: ``_switching`` admits one switch at a time (they share one copy stream);
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import sys
@@ -44,11 +43,11 @@ from typing import Any
 import torch
 
 from nostall.adapters import Fusions, Lora, Shelf, check_fits, lora_bytes, lora_weights
-from nostall.adapters.lora import ROLES as LORA_ROLES
+from nostall.adapters.lora import adaptable
 from nostall.cache import placement
 from nostall.cache.config import CacheConfig, resolve_config
 from nostall.cache.device import DeviceTier, Slot
-from nostall.cache.experts import Experts, expert_roles
+from nostall.cache.experts import expert_roles, use_experts
 from nostall.cache.holds import Hold, Holds
 from nostall.cache.host import HostTier, cpu_tier_bytes, parse_host_tier, store_bytes
 from nostall.cache.modules import Instance, Instances
@@ -199,7 +198,7 @@ class ModelCache:
         :meth:`use`.
         """
         pipe = self._switch(name, mode="pipeline", without=without)[0]
-        self._fusions.leave(self._fusions.enter(_adaptable(pipe), []))  # the base's weights
+        self._fusions.leave(self._fusions.enter(adaptable(pipe), []))  # the base's weights
         return pipe
 
     @contextlib.contextmanager
@@ -252,7 +251,7 @@ class ModelCache:
                     f"{name}: LoRAs on a two-expert pipeline (transformer and "
                     "transformer_2) are not served yet; call it without loras"
                 )
-            with self._use_experts(name, _roles(without), experts) as pipe:
+            with use_experts(self, name, _roles(without), experts) as pipe:
                 yield pipe
             return
         pipe, _, hold = self._switch(name, mode="use", without=without)
@@ -263,68 +262,6 @@ class ModelCache:
         finally:
             self._fusions.leave(entered)
             self._release(hold)
-
-    @contextlib.contextmanager
-    def _use_experts(
-        self, name: str, without: frozenset[str], roles: tuple[str, str]
-    ) -> Iterator[Any]:
-        """``use()`` of a two-expert pipeline (:mod:`~nostall.cache.experts`): the other
-        components held for the block, one expert at a time beside them."""
-        entry = self.store.entry(name)
-        others = frozenset(r for r, c in entry.components.items() if c is not None and c.weights)
-        pipe, report, hold = self._switch(name, mode="use", without=without | set(roles))
-
-        def switch(role: str) -> tuple[Instance, Hold, SwitchReport]:
-            _, rep, h = self._switch(name, mode="use", without=others - {role}, build=False)
-            with self._lock:
-                return self._modules.holding(entry.components[role]), h, rep
-
-        def prefetch(role: str) -> Future:
-            leave = others - {role}
-            return self._prefetcher.submit(
-                lambda: self._switch(name, mode="prefetch", without=leave)[1]
-            )
-
-        def check(inst: Instance, h: Hold) -> None:
-            self._check_open()
-            stream = self._stream()
-            if inst.slot is None or not inst.slot.ready or h.digests.isdisjoint({inst.digest}):
-                raise InternalError(
-                    f"pipeline {name!r}: an expert left the device inside its use() block"
-                )
-            if h.note(stream) and inst.slot.done is not None:
-                stream.wait_event(inst.slot.done)
-
-        experts = Experts(
-            pipe, roles, switch=switch, release=self._release, prefetch=prefetch, check=check
-        )
-        try:
-            first = experts.enter()
-            self._merge(report, first)
-            object.__setattr__(pipe, "nostall_experts", experts)
-            yield pipe
-        finally:
-            object.__setattr__(pipe, "nostall_experts", None)
-            try:
-                experts.close()
-            finally:
-                self._release(hold)
-
-    def _merge(self, base: SwitchReport, expert: SwitchReport) -> None:
-        """One report for a block's entry: the base components' switch and its first
-        expert's, in the order they ran."""
-        with self._lock:
-            for r in (base, expert):
-                with contextlib.suppress(ValueError):
-                    self.reports.remove(r)
-            merged = dataclasses.replace(
-                base,
-                total_s=base.total_s + expert.total_s,
-                components=base.components + expert.components,
-                evicted=base.evicted + expert.evicted,
-                wait_s=base.wait_s + expert.wait_s,
-            )
-            self.reports.append(merged)
 
     def controlnets(self) -> list[str]:
         """The ControlNet names under ``<store>/controlnets``."""
@@ -364,7 +301,7 @@ class ModelCache:
     ) -> list[Any]:
         """Fuse ``wanted`` into ``pipe``'s modules (or restore their base); the modules
         entered, for :meth:`Fusions.leave`."""
-        modules = _adaptable(pipe)
+        modules = adaptable(pipe)
         loras = [(self.lora(n, name), w) for n, w in wanted]
         ids = tuple(id(m) for m in modules.values())
         for lora, _ in loras:
@@ -437,7 +374,10 @@ class ModelCache:
 
     @property
     def last_report(self) -> SwitchReport | None:
-        return self.reports[-1] if self.reports else None
+        """The last switch to a pipeline (``use``, ``pipeline``, ``prefetch``); a
+        two-expert pipeline's switches of its experts inside the block are in
+        ``pipe.nostall_experts.reports`` (and in :attr:`reports`, marked ``expert``)."""
+        return next((r for r in reversed(self.reports) if not r.expert), None)
 
     def stats(self) -> CacheStats:
         """Bytes per tier and every known component's tier."""
@@ -526,7 +466,13 @@ class ModelCache:
     # ---- the switch --------------------------------------------------------------
 
     def _switch(
-        self, name: str, *, mode: str, without: Iterable[str] = (), build: bool = True
+        self,
+        name: str,
+        *,
+        mode: str,
+        without: Iterable[str] = (),
+        build: bool = True,
+        expert: bool = False,
     ) -> tuple[Any, SwitchReport, Hold | None]:
         t0 = time.perf_counter()
         self._check_open()
@@ -606,6 +552,7 @@ class ModelCache:
             prefetch=mode == "prefetch",
             wait_s=(t_locked - t0) + waited,
             left_out=tuple(sorted(without)),
+            expert=expert,
         )
         self.reports.append(report)
         log.info("%s", report.line())
@@ -824,16 +771,6 @@ class ModelCache:
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("the model cache is closed; create a new ModelCache")
-
-
-def _adaptable(pipe: Any) -> dict[str, torch.nn.Module]:
-    """The modules of ``pipe`` a LoRA may adapt, by role."""
-    out = {}
-    for role in LORA_ROLES:
-        m = getattr(pipe, role, None)
-        if isinstance(m, torch.nn.Module):
-            out[role] = m
-    return out
 
 
 def _roles(without: Iterable[str]) -> frozenset[str]:

@@ -23,17 +23,19 @@ hooks its forward passes.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
 from nostall.cache.holds import Hold
 from nostall.cache.report import SwitchReport
-from nostall.errors import BudgetExceeded
+from nostall.errors import BudgetExceeded, InternalError
 from nostall.store.catalog import PipelineEntry
 
-__all__ = ["Experts", "expert_roles"]
+__all__ = ["Experts", "expert_roles", "use_experts"]
 
 log = logging.getLogger("nostall.cache")
 
@@ -52,6 +54,73 @@ def expert_roles(entry: PipelineEntry, without: frozenset[str]) -> tuple[str, st
     if comps[0].digest == comps[1].digest:  # one module's bytes: nothing to switch
         return None
     return ROLES
+
+
+@contextlib.contextmanager
+def use_experts(
+    cache: Any, name: str, without: frozenset[str], roles: tuple[str, str]
+) -> Iterator[Any]:
+    """``cache.use(name)`` (a :class:`~nostall.ModelCache`) of a two-expert pipeline: the other components held for the
+    block, one expert at a time beside them (the cache's own switches, under its locks)."""
+    entry = cache.store.entry(name)
+    others = frozenset(r for r, c in entry.components.items() if c is not None and c.weights)
+    pipe, report, hold = cache._switch(name, mode="use", without=without | set(roles))
+
+    def switch(role: str) -> tuple[Any, Hold, SwitchReport]:
+        _, rep, h = cache._switch(
+            name, mode="use", without=others - {role}, build=False, expert=True
+        )
+        with cache._lock:
+            return cache._modules.holding(entry.components[role]), h, rep
+
+    def prefetch(role: str) -> Future:
+        leave = others - {role}
+        return cache._prefetcher.submit(
+            lambda: cache._switch(name, mode="prefetch", without=leave, expert=True)[1]
+        )
+
+    def check(inst: Any, h: Hold) -> None:
+        cache._check_open()
+        stream = cache._stream()
+        if inst.slot is None or not inst.slot.ready or h.digests.isdisjoint({inst.digest}):
+            raise InternalError(
+                f"pipeline {name!r}: an expert left the device inside its use() block"
+            )
+        if h.note(stream) and inst.slot.done is not None:
+            stream.wait_event(inst.slot.done)
+
+    experts = Experts(
+        pipe, roles, switch=switch, release=cache._release, prefetch=prefetch, check=check
+    )
+    try:
+        first = experts.enter()
+        _merge(cache, report, first)
+        object.__setattr__(pipe, "nostall_experts", experts)
+        yield pipe
+    finally:
+        object.__setattr__(pipe, "nostall_experts", None)
+        try:
+            experts.close()
+        finally:
+            cache._release(hold)
+
+
+def _merge(cache: Any, base: SwitchReport, expert: SwitchReport) -> None:
+    """One report for a block's entry: the base components' switch and its first
+    expert's, in the order they ran."""
+    with cache._lock:
+        for r in (base, expert):
+            with contextlib.suppress(ValueError):
+                cache.reports.remove(r)
+        cache.reports.append(
+            dataclasses.replace(
+                base,
+                total_s=base.total_s + expert.total_s,
+                components=base.components + expert.components,
+                evicted=base.evicted + expert.evicted,
+                wait_s=base.wait_s + expert.wait_s,
+            )
+        )
 
 
 class Experts:

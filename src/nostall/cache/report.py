@@ -70,7 +70,9 @@ class SwitchReport:
     ``wait_s`` is the part spent waiting for room (pipelines in use elsewhere) or for a
     prefetch of the same pipeline to finish; ``evicted`` names the components (role
     and digest) that left the device tier to make room; ``left_out`` the roles the
-    caller asked to leave out (``use(..., without=...)``).
+    caller asked to leave out (``use(..., without=...)``). ``expert``: the switch (or
+    prefetch) of one expert of a two-expert pipeline inside its ``use()`` block
+    (:mod:`~nostall.cache.experts`), not a switch to the pipeline.
     """
 
     pipeline: str
@@ -81,6 +83,7 @@ class SwitchReport:
     prefetch: bool = False
     wait_s: float = 0.0
     left_out: tuple[str, ...] = ()
+    expert: bool = False
 
     @property
     def moved_bytes(self) -> int:

@@ -122,7 +122,7 @@ class Runner:
 
     def _switch_report(self, name: str) -> dict[str, Any]:
         for r in reversed(self.cache.reports):
-            if r.pipeline == name and not r.prefetch:
+            if r.pipeline == name and not r.prefetch and not r.expert:
                 return r.as_dict()
         return {}
 
