@@ -28,6 +28,7 @@ __all__ = [
     "bench_remote",
     "bench_serve",
     "bench_switch",
+    "bench_video",
 ]
 
 _DEVICE = "cuda[:N] or cpu (default: cuda when available)."
@@ -518,3 +519,49 @@ def bench_remote(
             log=_log,
         )
     _finish(report, bench.tables(report), out, overwrite=overwrite)
+
+
+@bench_app.command("video")
+def bench_video(
+    size: str = typer.Option(
+        "full",
+        help="full (Wan 2.1 T2V-14B, 40 GB, and Wan 2.2 T2V-A14B, 69 GB, at 832x480) or "
+        "tiny (the tiny Wan layouts: seconds on a CPU).",
+    ),
+    device: str = device_option(_DEVICE),
+    part: list[str] = typer.Option(  # noqa: B008
+        None,
+        "--part",
+        help="wan21 (the worker against the pipeline alone and diffusers), a14b (one expert "
+        "at a time under a 44 GB budget against diffusers' model CPU offload); repeatable, "
+        "default both.",
+    ),
+    passes: int = typer.Option(2, callback=in_range(1), help="Interleaved passes (medians)."),
+    work: str = typer.Option(
+        None,
+        help="Folder for the store and the videos (default: full /tmp/nostall-bench/video, "
+        "kept for the next run; tiny a temporary one).",
+    ),
+    out: str = typer.Option(f"{BENCH_OUT}/video.json", help="JSON report path."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing report."),
+) -> None:
+    """Text-to-video served end to end (HTTP, the jobs API, MP4) against the same call
+    in-process and diffusers' own code; Wan 2.2 A14B's experts switched under a 48 GB
+    card's budget against diffusers' model CPU offload."""
+    from nostall.bench import video as bench
+    from nostall.bench.record import write_report
+
+    check_choices([size], tuple(bench.SIZES), "--size")
+    parts = check_choices(part or bench.PARTS, bench.PARTS, "--part")
+    check_output(out, hint="--out", overwrite=overwrite)
+    with usage_errors():
+        report = bench.run_video_bench(
+            size=size,
+            device=device,
+            parts=tuple(parts),
+            passes=passes,
+            work=work,
+            log=_log,
+            save=lambda r: write_report(r, out, overwrite=True),
+        )
+    _finish(report, bench.tables(report), out, overwrite=True)

@@ -1,0 +1,56 @@
+"""``nostall bench video`` end to end on the CPU with the tiny Wan layouts: both parts
+from the CLI, every target named, the A14B row under a budget that holds one expert."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from nostall.cli import app
+
+pytest.importorskip("diffusers")
+
+TARGETS = {
+    "t2v_served_vs_pipeline_alone",
+    "t2v_e2e_vs_diffusers",
+    "fp8_t2v_e2e_vs_diffusers_bf16",
+    "a14b_44gb_e2e_vs_diffusers_offload",
+    "a14b_boundary_visible_s",
+    "fp8_a14b_boundary_visible_s",
+    "video_job_kernel_busy_share",
+    "video_frames_equal_pipeline",
+}
+
+
+def test_both_parts_run_tiny_on_the_cpu_and_name_every_target(tmp_path):
+    out = tmp_path / "video.json"
+    args = ["bench", "video", "--size", "tiny", "--device", "cpu", "--passes", "1",
+            "--work", str(tmp_path / "work"), "--out", str(out)]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "video" and report["date"] and "commit" in report
+    assert set(report["targets"]) == TARGETS
+    t = report["targets"]
+    # measured where the tiny run can, "not run" (None) where it cannot (FP8, profiler)
+    assert t["video_frames_equal_pipeline"]["value"] == 1  # served frames = diffusers'
+    for name in ("t2v_served_vs_pipeline_alone", "t2v_e2e_vs_diffusers",
+                 "a14b_44gb_e2e_vs_diffusers_offload", "a14b_boundary_visible_s"):  # fmt: skip
+        assert isinstance(t[name]["value"], float) and t[name]["met"] in (True, False)
+    for name in ("fp8_t2v_e2e_vs_diffusers_bf16", "video_job_kernel_busy_share"):
+        assert t[name]["value"] is None and t[name]["met"] is None
+    wan = report["parts"]["wan21"]
+    assert [(r["frames"], r["steps"]) for r in wan["rows"]] == [(5, 4), (9, 2)]
+    a14b = report["parts"]["a14b"]["rows"][0]
+    # one expert at a time: the boundary's switch moved the second expert, evicting the first
+    switch = a14b["boundary_switch"]
+    assert switch["moved_bytes"] > 0 and any("transformer" in e for e in switch["evicted"])
+    assert "a14b" in result.output and "targets" in result.output
+
+
+def test_an_unknown_part_is_a_usage_error(tmp_path):
+    result = CliRunner().invoke(app, ["bench", "video", "--size", "tiny", "--device", "cpu",
+                                      "--part", "ltx", "--out", str(tmp_path / "v.json")])  # fmt: skip
+    assert result.exit_code == 2 and "ltx" in result.output
