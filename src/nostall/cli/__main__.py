@@ -2,4 +2,5 @@
 
 from nostall.cli import main
 
-main()
+if __name__ == "__main__":  # (not when a spawned process imports it as __mp_main__)
+    main()
