@@ -126,6 +126,7 @@ def run_video_bench(
     finally:
         if own:
             shutil.rmtree(work, ignore_errors=True)
+    report["peer_video_writer"] = WRITERS.get("used")
     report["targets"] = evaluate_targets(report)
     return report
 
@@ -244,12 +245,29 @@ def _diffusers_pipe(folder: str, dev: torch.device, *, offload: bool = False):
 
 
 def _diffusers(pipe, cfg, frames, steps, dev, path) -> tuple[float, np.ndarray]:
-    from diffusers.utils import export_to_video
-
     t = time.perf_counter()
     out = pipe(**_call_kwargs(cfg, frames, steps, dev), output_type="np").frames[0]
-    export_to_video(list(out), path, fps=16)
+    WRITERS["used"] = _export(list(out), path)
     return time.perf_counter() - t, out
+
+
+WRITERS: dict[str, str] = {}  # which of diffusers' writers the peer's MP4s went through
+
+
+def _export(frames: list, path: str) -> str:
+    """diffusers' ``export_to_video``; where imageio has no ffmpeg (the GPU machine has
+    imageio without imageio-ffmpeg, whose wheel is 68 MB), diffusers' own OpenCV writer,
+    which it uses when imageio is absent."""
+    from diffusers.utils import export_to_video, export_utils
+
+    try:
+        export_to_video(frames, path, fps=16)
+        return "export_to_video (imageio-ffmpeg)"
+    except AttributeError as e:
+        if "ffmpeg" not in str(e):
+            raise
+    export_utils._legacy_export_to_video(frames, path, fps=16)
+    return "export_to_video's OpenCV writer (imageio has no ffmpeg here)"
 
 
 def _peak(dev: torch.device) -> int | None:
@@ -458,6 +476,7 @@ def _a14b_system(who, store, cfg, device, budget, frames, steps, work) -> dict[s
         _reset_peak(dev)
         out["wall_s"], _ = _diffusers(pipe, cfg, frames, steps, dev, os.path.join(work, "o.mp4"))
         out["peak_bytes"] = _peak(dev)
+        out["writer"] = WRITERS.get("used")
         return out
     worker = _worker(store, dev, work, gpu_budget=budget, host_budget=cfg["host_budget"])
     try:
