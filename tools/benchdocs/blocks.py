@@ -658,6 +658,52 @@ def remote_targets(doc: Doc) -> str:
     return targets_table(doc, "remote", [REMOTE], columns=False)
 
 
+def video(doc: Doc) -> str:
+    """Every ``nostall bench video`` run: per part and row, each system's median seconds
+    per video (diffusers ÷ nostall beside), and the A14B boundary's visible seconds."""
+    rows = []
+    for name, r in sorted(doc.runs.items(), key=lambda kv: kv[1].get("date", "")):
+        if r.get("benchmark") != "video":
+            continue
+        for part, p in r.get("parts", {}).items():
+            for row in p.get("rows", []):
+                med = {w: row.get(f"{w}_median_s") for w in ("nostall", "alone", "diffusers")}
+                ratio = (
+                    med["diffusers"] / med["nostall"]
+                    if med["diffusers"] and med["nostall"]
+                    else None
+                )
+                rows.append(
+                    [
+                        f"{p.get('model')} ({part})",
+                        f"{row['frames']} × {r.get('width')}×{r.get('height')}, {row['steps']}",
+                        secs(med["nostall"], 2),
+                        secs(med["alone"], 2),
+                        secs(med["diffusers"], 2),
+                        NA if ratio is None else f"{ratio:.2f}×",
+                        secs(row.get("boundary_visible_median_s"), 3),
+                        f"{len(row.get('nostall', []))}",
+                        doc.link(name),
+                    ]
+                )
+    head = [
+        "pipeline (part)",
+        "frames, steps",
+        "nostall (HTTP)",
+        "same call in-process",
+        "diffusers",
+        "diffusers ÷ nostall",
+        "A14B boundary visible",
+        "passes",
+        "run",
+    ]
+    return table(head, rows)
+
+
+def video_targets(doc: Doc) -> str:
+    return targets_table(doc, "video")
+
+
 BLOCKS: dict[str, Callable[[Doc], str]] = {
     "load-warm": load_warm,
     "load-cold": load_cold,
@@ -684,4 +730,6 @@ BLOCKS: dict[str, Callable[[Doc], str]] = {
     "adapters-targets": adapters_targets,
     "remote": remote,
     "remote-targets": remote_targets,
+    "video": video,
+    "video-targets": video_targets,
 }

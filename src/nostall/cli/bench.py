@@ -548,6 +548,8 @@ def bench_video(
     """Text-to-video served end to end (HTTP, the jobs API, MP4) against the same call
     in-process and diffusers' own code; Wan 2.2 A14B's experts switched under a 48 GB
     card's budget against diffusers' model CPU offload."""
+    import os
+
     from nostall.bench import video as bench
     from nostall.bench.record import write_report
 
@@ -563,5 +565,6 @@ def bench_video(
             work=work,
             log=_log,
             save=lambda r: write_report(r, out, overwrite=True),
+            figures=os.path.dirname(os.path.abspath(out)),
         )
     _finish(report, bench.tables(report), out, overwrite=True)
