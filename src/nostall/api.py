@@ -140,7 +140,13 @@ def load_model_with_stats(
     loader: Loader | None = None,
 ) -> tuple[nn.Module, LoadStats]:
     """:func:`load_model`, also returning the phase timings (``build_s`` included)."""
-    from nostall.assemble import adopt, build_empty, resolve_model_class, target_dtypes
+    from nostall.assemble import (
+        adopt,
+        as_stored_dtypes,
+        build_empty,
+        resolve_model_class,
+        target_dtypes,
+    )
 
     path = local_source(path)
     ckpt = resolve(path, variant=variant)
@@ -156,7 +162,10 @@ def load_model_with_stats(
     module = build_empty(cls, folder, dtype=dtype)
     build_s = time.perf_counter() - t0
     # Per-tensor dtypes: the library's own from_pretrained keeps some modules in fp32.
-    casts = target_dtypes(module, dtype) if dtype is not None else None
+    if dtype is not None:
+        casts = target_dtypes(module, dtype)
+    else:  # as stored, but what diffusers keeps in float32 (as_stored_dtypes)
+        casts = as_stored_dtypes(module, {e.name: e.dtype for _, e in ckpt.entries()})
     fp8 = {e.name for _, e in ckpt.entries() if e.dtype.startswith("F8")}
     if casts and fp8:
         # FP8 weights stay FP8 (a plain cast would drop their scales)

@@ -609,3 +609,31 @@ def test_the_digest_index_spares_a_new_process_the_hashing(cache, store, tmp_pat
     s = nostall.cache.Store(store, cache_dir=tmp_path).entry("sdxl")
     assert {c.role: c.digest[:12] for c in s.weights} == {r: d for r, (d, _, _) in second.items()}
     assert all(c.exact for c in s.weights)
+
+
+def test_a_bf16_wan_as_stored_equals_diffusers_in_bf16_with_its_fp32_modules(tmp_path):
+    """diffusers' from_pretrained(torch_dtype=bf16) keeps Wan's time embedder and norms in
+    float32 (_keep_in_fp32_modules); the cache's as-stored load must do the same, or the
+    frames drift (43 levels apart at real size on an H200 before this)."""
+    from diffusers import AutoencoderKLWan, WanPipeline
+
+    from nostall.synthetic import write_store
+
+    write_store(tmp_path, ("wan",))
+    folder = tmp_path / "wan"
+    pipe = WanPipeline.from_pretrained(str(folder))
+    for role in ("transformer", "text_encoder"):  # stored in bf16, as published
+        getattr(pipe, role).to(torch.bfloat16).save_pretrained(str(folder / role))
+    vae = AutoencoderKLWan.from_pretrained(str(folder), subfolder="vae", torch_dtype=torch.float32)
+    ref = WanPipeline.from_pretrained(str(folder), vae=vae, torch_dtype=torch.bfloat16)
+    ref.set_progress_bar_config(disable=True)
+    kw = dict(prompt="a cat", height=16, width=16, num_frames=5, num_inference_steps=4,
+              max_sequence_length=16, output_type="np")  # fmt: skip
+    want = ref(**kw, generator=torch.Generator().manual_seed(0)).frames
+    cache = nostall.ModelCache(tmp_path, device="cpu", cache_dir=tmp_path / "idx")
+    with cache, cache.use("wan") as ours:
+        t = ours.transformer
+        assert next(t.condition_embedder.time_embedder.parameters()).dtype == torch.float32
+        assert t.blocks[0].attn1.to_q.weight.dtype == torch.bfloat16
+        got = ours(**kw, generator=torch.Generator().manual_seed(0)).frames
+    assert np.array_equal(got, want)

@@ -17,12 +17,13 @@ device buffer) become its parameters without a copy::
 from __future__ import annotations
 
 from nostall.assemble.adopt import adopt
-from nostall.assemble.dtypes import target_dtypes
+from nostall.assemble.dtypes import as_stored_dtypes, target_dtypes
 from nostall.assemble.meta import build_empty, empty_parameters
 from nostall.assemble.resolve import read_config, resolve_model_class
 
 __all__ = [
     "adopt",
+    "as_stored_dtypes",
     "build_empty",
     "empty_parameters",
     "read_config",

@@ -9,6 +9,7 @@ per-tensor answer to produce the same model.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
@@ -74,3 +75,29 @@ def target_dtypes(module: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtyp
             for name, t in entries.items()
         }
     return dict.fromkeys(entries, dtype)
+
+
+def as_stored_dtypes(module: nn.Module, stored: Mapping[str, str]) -> dict[str, torch.dtype] | None:
+    """The load dtypes of a module loaded as stored (no ``dtype``): each tensor in the
+    checkpoint's dtype (``stored``: name → safetensors dtype, ``"BF16"``), except a
+    diffusers module's ``_keep_in_fp32_modules`` stored in 16 bits, in float32, as
+    ``from_pretrained(torch_dtype=<the stored dtype>)`` loads them (Wan's time embedder
+    and norms). ``None`` when nothing differs from the checkpoint.
+
+        >>> from diffusers import WanTransformer3DModel
+        >>> from nostall.assemble import build_empty
+        >>> m = build_empty(WanTransformer3DModel, dict(num_attention_heads=1, attention_head_dim=8,
+        ...     in_channels=4, out_channels=4, text_dim=8, freq_dim=8, ffn_dim=8, num_layers=1))
+        >>> out = as_stored_dtypes(m, dict.fromkeys(m.state_dict(), "BF16"))
+        >>> out["condition_embedder.time_embedder.linear_1.weight"], len(out) < len(m.state_dict())
+        (torch.float32, True)
+    """
+    if library_of(type(module)) != "diffusers":
+        return None
+    keep = set(_names(module, "_keep_in_fp32_modules"))
+    out = {
+        name: torch.float32
+        for name, d in stored.items()
+        if d in ("F16", "BF16") and keep.intersection(name.split("."))
+    }
+    return out or None

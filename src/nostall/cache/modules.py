@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from nostall.assemble import adopt, build_empty, resolve_model_class, target_dtypes
+from nostall.assemble import (
+    adopt,
+    as_stored_dtypes,
+    build_empty,
+    resolve_model_class,
+    target_dtypes,
+)
 from nostall.cache.device import Slot
 from nostall.quant.modules import install_fp8, prepare_fp8
 from nostall.store.catalog import ComponentEntry
@@ -75,7 +81,10 @@ def build_instance(c: ComponentEntry, dtype: torch.dtype | None) -> Instance:
     t = time.perf_counter()
     cls = resolve_model_class(c.folder)
     module = build_empty(cls, c.folder, dtype=dtype)
-    targets = target_dtypes(module, dtype) if dtype is not None else None
+    if dtype is not None:
+        targets = target_dtypes(module, dtype)
+    else:  # as stored, but what diffusers keeps in float32 (as_stored_dtypes)
+        targets = as_stored_dtypes(module, {e.name: e.dtype for _, e in c.checkpoint.entries()})
     fp8 = {e.name for _, e in c.checkpoint.entries() if e.dtype.startswith("F8")}
     if fp8:
         # FP8 weights keep their dtype; their scales arrive as float32, cast on the way
