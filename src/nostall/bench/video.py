@@ -65,7 +65,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "a14b": "wan22",
         "width": 16,
         "height": 16,
-        "rows": ((5, 4), (9, 2)),
+        "rows": ((5, 2), (9, 2)),
         "a14b_rows": ((5, 6),),
         "budget": None,  # the tiny store's: room for one expert beside the rest
         "wan21_budget": None,
