@@ -305,6 +305,8 @@ class Runner:
                 job.progress(i + 1, 0)
             return {}
 
+        if job.progress is not None:  # in progress from when this thread takes it
+            job.progress(0, 0)
         with self.cache.use(job.model) as pipe:
             switched = time.perf_counter()
             report = self._switch_report(job.model)
