@@ -144,3 +144,14 @@ def test_a_budget_without_room_for_one_expert_and_loras_are_refused(wan22, tmp_p
         cache.use("wan22", loras={"x": 1}),
     ):
         pass
+
+
+def test_a_block_ended_before_the_boundary_leaves_no_expert_protected(wan22, tmp_path):
+    cache = nostall.ModelCache(wan22, device="cpu", cache_dir=tmp_path)
+    with cache:
+        with cache.use("wan22"):  # (a job cancelled before its first step)
+            pass
+        second = cache.store.entry("wan22").components["transformer_2"].digest
+        assert any(r.prefetch and r.expert for r in cache.reports)  # it was prefetched
+        assert second not in cache._protected  # so a later switch may evict it
+        assert cache.evict() > 0 and cache.stats().gpu_bytes == 0

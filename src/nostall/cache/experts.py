@@ -102,6 +102,10 @@ def use_experts(
         try:
             experts.close()
         finally:
+            # A prefetched second expert the block never reached stays protected until a
+            # switch uses it, and protected memory is never evicted: lift it.
+            with cache._lock:
+                cache._protected.discard(entry.components[roles[1]].digest)
             cache._release(hold)
 
 
@@ -196,10 +200,13 @@ class Experts:
         return kwargs
 
     def close(self) -> None:
-        """The block ended: the expert's hold given back, the pipeline left without one."""
+        """The block ended: a prefetch still running waited for (so that its protection
+        can be lifted after it), the expert's hold given back, the pipeline left
+        without one."""
         ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            ahead.cancel()
+        if ahead is not None and not ahead.cancel():
+            with contextlib.suppress(Exception):  # (its failure was a prefetch's: no room)
+                ahead.result()
         hold, self._hold = self._hold, None
         for role in self.roles:
             self.pipe.__dict__[role] = None
