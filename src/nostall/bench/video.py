@@ -217,9 +217,11 @@ def _call_kwargs(cfg: dict, frames: int, steps: int, dev: torch.device, seed: in
     }
 
 
-def _alone(cache, model: str, cfg: dict, frames: int, steps: int, dev, path: str) -> float:
-    """The worker's pipeline call, exact decode and MP4 in this process: no HTTP, no job."""
-    from nostall.video import AsyncFramePipeline, denormalize, submit_decode
+def _alone(cache, model, cfg, frames, steps, dev, path, frames_out) -> float:
+    """The worker's pipeline call, exact decode and MP4 in this process: no HTTP, no job;
+    ``frames_out`` is one :class:`~nostall.video.AsyncFramePipeline` kept across videos,
+    as the worker keeps its own."""
+    from nostall.video import denormalize, submit_decode
 
     t = time.perf_counter()
     with cache.use(model) as pipe, torch.inference_mode():
@@ -227,8 +229,7 @@ def _alone(cache, model: str, cfg: dict, frames: int, steps: int, dev, path: str
         latents = pipe(**_call_kwargs(cfg, frames, steps, dev), output_type="latent").frames
         vae = pipe.vae
         z = denormalize(vae, latents.to(next(vae.parameters()).dtype))
-        with AsyncFramePipeline(device=dev) as frames_out:
-            submit_decode(vae, z, path, pipeline=frames_out, fps=16, mode="exact").result()
+        submit_decode(vae, z, path, pipeline=frames_out, fps=16, mode="exact").result()
     return time.perf_counter() - t
 
 
@@ -299,7 +300,10 @@ def _wan21(store, cfg, dev, passes, work, log, save=None, figures=None) -> dict[
     t = time.perf_counter()
     worker = _worker(store, dev, work, gpu_budget=cfg["wan21_budget"])
     part: dict[str, Any] = {"model": model, "rows": [], "complete": False}
-    with BackgroundServer(create_app(worker)) as server:
+    from nostall.video import AsyncFramePipeline
+
+    frames_out = AsyncFramePipeline(device=dev)  # the in-process system's, kept
+    with frames_out, BackgroundServer(create_app(worker)) as server:
         worker.cache.prepare(model)
         part["worker_start_s"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -323,7 +327,8 @@ def _wan21(store, cfg, dev, passes, work, log, save=None, figures=None) -> dict[
                 served = _served(server.url, _body(model, cfg, frames, steps))
                 row["nostall"].append(served["wall_s"])
                 path = os.path.join(work, f"alone-{frames}-{steps}-{k}.mp4")
-                row["alone"].append(_alone(worker.cache, model, cfg, frames, steps, dev, path))
+                alone = _alone(worker.cache, model, cfg, frames, steps, dev, path, frames_out)
+                row["alone"].append(alone)
                 path = os.path.join(work, f"diffusers-{frames}-{steps}-{k}.mp4")
                 wall, ref = _diffusers(pipe, cfg, frames, steps, dev, path)
                 row["diffusers"].append(wall)
