@@ -178,7 +178,7 @@ class Assembler:
             def __call__(self, *args: Any, **kwargs: Any) -> Any:
                 experts = self.__dict__.get("nostall_experts")
                 if experts is not None:  # two experts: the first in, the boundary's switch
-                    kwargs = experts.call_kwargs(kwargs)
+                    kwargs, args = experts.call_kwargs(args, kwargs), ()
                 check = getattr(self, "_nostall_check", None)
                 if check is not None:
                     check()

@@ -122,7 +122,8 @@ def unfit(
     never hold, ``None`` when all fit. A job needs its pipeline's distinct weights
     components at once, but the roles it leaves out (``jobs``: ``(entry, roles)``; no
     text encoders where an embedding service stands in), and of a two-expert pipeline
-    (Wan 2.2 A14B) only the larger expert. One that fits only without its text encoders is said in the log (it cannot
+    (Wan 2.2 A14B) only the larger expert, and that beside the rest but its text
+    encoders (which leave once they have encoded). One that fits only without its text encoders is said in the log (it cannot
     fall back to encoding locally). ``budget``: the account the message shows.
 
     >>> error = unfit([(store.entry("flux"), ())], 20 << 30, torch.bfloat16)  # doctest: +SKIP
@@ -135,8 +136,11 @@ def unfit(
         sizes = {c.role: device_bytes(c, dtype) for c in entry.distinct_weights(leaves_out)}
         need = sum(sizes.values())
         experts = expert_roles(entry, leaves_out)
-        if experts is not None:  # one expert at a time beside the rest (cache.experts)
-            need -= min(sizes[r] for r in experts)
+        if experts is not None:  # one expert at a time beside the rest (cache.experts),
+            need -= min(sizes[r] for r in experts)  # the text encoders gone where need be
+            text = sum(n for r, n in sizes.items() if r.startswith("text_encoder"))
+            larger = max(sizes[r] for r in experts)
+            need = max(need - text, need - larger)
         if need > tier:
             role = max(sizes, key=sizes.__getitem__)
             most = max(most, need)

@@ -106,13 +106,8 @@ class PhaseClock:
         self._open: Any = None
         self._hooks = []
         self._removed = False
-        for name in self._TEXT:
-            m = getattr(pipe, name, None)
-            if isinstance(m, torch.nn.Module):
-                self._hooks.append(m.register_forward_pre_hook(self._text_in))
-                self._hooks.append(m.register_forward_hook(self._text_out))
         self._hooked: set[int] = set()
-        for name in self._DENOISE:
+        for name in self._TEXT + self._DENOISE:
             self._watch(name, getattr(pipe, name, None))
         experts = getattr(pipe, "nostall_experts", None)
         if experts is not None:  # a two-expert pipeline's second comes in mid-call
@@ -122,8 +117,9 @@ class PhaseClock:
         if not isinstance(m, torch.nn.Module) or id(m) in self._hooked or self._removed:
             return
         self._hooked.add(id(m))
-        self._hooks.append(m.register_forward_pre_hook(self._denoise_in))
-        self._hooks.append(m.register_forward_hook(self._denoise_out))
+        text = role in self._TEXT  # (a text encoder brought back for a second call)
+        self._hooks.append(m.register_forward_pre_hook(self._text_in if text else self._denoise_in))
+        self._hooks.append(m.register_forward_hook(self._text_out if text else self._denoise_out))
 
     def _mark(self) -> Any:
         if self.cuda:
