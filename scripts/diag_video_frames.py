@@ -16,6 +16,7 @@ import tempfile
 import torch
 
 from nostall.bench import video as v
+from nostall.bench import video_systems as systems
 from nostall.serve.app import create_app
 from nostall.serve.local import BackgroundServer
 from nostall.synthetic.full import write_full_store
@@ -32,10 +33,10 @@ def main() -> None:
     write_full_store(store, ("wan-1.3b",), device="cuda", progress=print)
     cfg = {**v.SIZES["full"], "wan21": "wan-1.3b"}
     dev = torch.device("cuda")
-    worker = v._worker(store, dev, a.work, gpu_budget=20 * 10**9)
+    worker = systems.make_worker(store, dev, a.work, gpu_budget=20 * 10**9)
     with BackgroundServer(create_app(worker)):
-        pipe = v._diffusers_pipe(os.path.join(store, "wan-1.3b"), dev)
-        _, ref = v._diffusers(pipe, cfg, a.frames, a.steps, dev, os.path.join(a.work, "r.mp4"))
+        pipe = systems.diffusers_pipe(os.path.join(store, "wan-1.3b"), dev)
+        _, ref = systems.diffusers_video(pipe, cfg, a.frames, a.steps, dev, os.path.join(a.work, "r.mp4"))
         out = v._frames_check(worker, "wan-1.3b", cfg, a.frames, a.steps, a.work, ref)
     worker.shutdown()
     out.update(frames=a.frames, steps=a.steps, model="wan-1.3b")

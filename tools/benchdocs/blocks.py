@@ -659,41 +659,47 @@ def remote_targets(doc: Doc) -> str:
 
 
 def video(doc: Doc) -> str:
-    """Every ``nostall bench video`` run: per part and row, each system's median seconds
-    per video (diffusers ÷ nostall beside), and the A14B boundary's visible seconds."""
+    """Every ``nostall bench video`` run: per part, row and nostall system (bf16, FP8),
+    its median seconds per video beside the same call in-process and diffusers' (bf16),
+    the A14B boundary's visible seconds and the device peak."""
     rows = []
     for name, r in sorted(doc.runs.items(), key=lambda kv: kv[1].get("date", "")):
         if r.get("benchmark") != "video":
             continue
         for part, p in r.get("parts", {}).items():
             for row in p.get("rows", []):
-                med = {w: row.get(f"{w}_median_s") for w in ("nostall", "alone", "diffusers")}
-                ratio = (
-                    med["diffusers"] / med["nostall"]
-                    if med["diffusers"] and med["nostall"]
-                    else None
-                )
-                rows.append(
-                    [
-                        f"{p.get('model')} ({part})",
-                        f"{row['frames']} × {r.get('width')}×{r.get('height')}, {row['steps']}",
-                        secs(med["nostall"], 2),
-                        secs(med["alone"], 2),
-                        secs(med["diffusers"], 2),
-                        NA if ratio is None else f"{ratio:.2f}×",
-                        secs(row.get("boundary_visible_median_s"), 3),
-                        f"{len(row.get('nostall', []))}",
-                        doc.link(name),
-                    ]
-                )
+                for who, label in (("nostall", "bf16"), ("nostall_fp8", "FP8")):
+                    ours = row.get(f"{who}_median_s")
+                    if ours is None:
+                        continue
+                    peer = row.get("diffusers_median_s")
+                    visible = "boundary_visible" if who == "nostall" else "fp8_boundary_visible"
+                    peak = (row.get("peak_bytes") or {}).get(who)
+                    rows.append(
+                        [
+                            f"{p.get('model')} ({part})",
+                            label,
+                            f"{row['frames']} × {r.get('width')}×{r.get('height')}, {row['steps']}",
+                            secs(ours, 2),
+                            secs(row.get("alone_median_s") if who == "nostall" else None, 2),
+                            secs(peer, 2),
+                            NA if not peer else f"{peer / ours:.2f}×",
+                            secs(row.get(f"{visible}_median_s"), 3),
+                            NA if peak is None else f"{peak / 1e9:.1f} GB",
+                            f"{len(row.get(who, []))}",
+                            doc.link(name),
+                        ]
+                    )
     head = [
         "pipeline (part)",
+        "nostall",
         "frames, steps",
         "nostall (HTTP)",
         "same call in-process",
-        "diffusers",
+        "diffusers bf16",
         "diffusers ÷ nostall",
         "A14B boundary visible",
+        "device peak",
         "passes",
         "run",
     ]

@@ -9,12 +9,19 @@ Two parts, each against the peer a user would run on that hardware:
   float32, ``.to("cuda")``, the call, ``export_to_video``). All three in one process,
   interleaved pass by pass (A/B/C/A/B/C), medians; the served frames (written as
   ``.npy``) against diffusers' for the same seed.
-* ``a14b`` — Wan 2.2 T2V-A14B under a device budget (44 GB: a 48 GB card): nostall's
-  worker, one expert at a time (the second switched in at the boundary step), against
-  diffusers with ``enable_model_cpu_offload()``. Their host copies do not fit one
-  process beside each other (69 GB each), so each system runs in a process of its
-  own, alternating; the boundary's visible cost is read from CUDA events at each step's
-  end (the boundary step's time less the median of the others).
+* ``fp8`` — the same Wan 2.1 14B converted to FP8 (:func:`nostall.quantize`: the
+  transformer and UMT5; the VAE as it is), served by the worker over HTTP, against
+  diffusers in bf16 as above, interleaved.
+* ``a14b`` — Wan 2.2 T2V-A14B on a 48 GB card: the worker's device budget is made from
+  47.5 GB (a 48 GB card less its CUDA context), less the activation reserve its own
+  measured peaks call for (a calibration run first where none is remembered), as
+  ``nostall serve`` makes it on such a card. nostall bf16 (one expert at a time, the
+  text encoder gone before the first, the second switched in at the boundary step) and
+  nostall FP8 (both experts resident) against diffusers bf16 with
+  ``enable_model_cpu_offload()``. Their host copies do not fit one process beside each
+  other (69 GB each), so each system runs in a process of its own, alternating; the
+  boundary's visible cost is read from CUDA events at each step's end (the boundary
+  step's time less the median of the others).
 
 The full store is real-size random weights (:mod:`nostall.synthetic.full`): ``wan-14b``
 on the disk; for ``a14b``, ``wan22-a14b`` with its low-noise expert in ``/dev/shm`` (the
@@ -24,8 +31,6 @@ disk cannot hold both. ``tiny`` runs the same code on the tiny layouts in second
 
 from __future__ import annotations
 
-import json
-import multiprocessing
 import os
 import shutil
 import statistics
@@ -39,11 +44,21 @@ import torch
 
 from nostall.bench.record import header
 from nostall.bench.targets import Targets
-from nostall.bench.timing import sync
+from nostall.bench.video_a14b import SYSTEMS, run_a14b
+from nostall.bench.video_systems import (
+    PROMPT,
+    WRITERS,
+    alone_video,
+    diffusers_pipe,
+    diffusers_video,
+    job_body,
+    make_worker,
+    serve_video,
+)
 
-__all__ = ["PARTS", "SIZES", "run_video_bench", "tables"]
+__all__ = ["PARTS", "SIZES", "SYSTEMS", "run_video_bench", "tables"]
 
-PARTS = ("wan21", "a14b")
+PARTS = ("wan21", "fp8", "a14b")
 SIZES: dict[str, dict[str, Any]] = {
     "full": {
         "wan21": "wan-14b",
@@ -53,8 +68,11 @@ SIZES: dict[str, dict[str, Any]] = {
         # (frames, steps): 20 steps do not fit a device call's 10 minutes for three
         # systems interleaved; every system runs the same steps
         "rows": ((33, 8), (33, 4), (81, 4)),
+        "fp8_rows": ((33, 8), (81, 4)),
         "a14b_rows": ((33, 8),),
-        "budget": 44 * 10**9,
+        "budget": None,
+        "card": 47_500_000_000,  # a 48 GB card (L40S: 46,068 MiB) less its CUDA context
+        "fp8_budget": 30 * 10**9,  # the FP8 14B: 21.3 GB
         "wan21_budget": 46 * 10**9,  # the worker's tier: diffusers' copy must fit beside it
         "host_budget": 72 * 10**9,
         "elsewhere": "/dev/shm/nostall-bench-video",
@@ -66,15 +84,17 @@ SIZES: dict[str, dict[str, Any]] = {
         "width": 16,
         "height": 16,
         "rows": ((5, 2), (9, 2)),
+        "fp8_rows": ((5, 2),),
         "a14b_rows": ((5, 6),),
         "budget": None,  # the tiny store's: room for one expert beside the rest
+        "card": None,
+        "fp8_budget": None,
         "wan21_budget": None,
         "host_budget": 256 << 20,
         "elsewhere": None,
         "work": None,
     },
 }
-PROMPT = "a red fox running through fresh snow at dawn, cinematic"
 
 
 def run_video_bench(
@@ -87,9 +107,11 @@ def run_video_bench(
     log: Callable[[str], None] = print,
     save: Callable[[dict], None] | None = None,
     figures: str | None = None,
+    systems: tuple[str, ...] = SYSTEMS,
 ) -> dict[str, Any]:
     """Run the parts; return the report (``save`` gets it after each row). ``figures``:
-    the folder for the served job's timeline PNG (default: ``work``)."""
+    the folder for the served job's timeline PNG (default: ``work``); ``systems``: the
+    a14b part's (a device call may not hold all three)."""
     from nostall.transfer.loader import resolve_device
 
     cfg = SIZES[size]
@@ -97,14 +119,20 @@ def run_video_bench(
     device = str(dev)
     report: dict[str, Any] = header("video", dev)
     report.update(size=size, passes=passes, parts={}, width=cfg["width"], height=cfg["height"])
+    if cfg["card"] is not None:
+        report["card_total_bytes"] = cfg["card"]
     own = work is None and cfg["work"] is None
     work = work or cfg["work"] or tempfile.mkdtemp(prefix="nostall-bench-video-")
     os.makedirs(work, exist_ok=True)
     try:
         # a store per part: a process's store lists the folders it found when opened
-        if "wan21" in parts:
-            store = os.path.join(work, "store-wan21")
+        store = os.path.join(work, "store-wan21")
+        if "wan21" in parts or "fp8" in parts:
             _write(store, (cfg["wan21"],), size, device, log)
+        if "fp8" in parts:  # before a worker opens the store (its folders are listed then)
+            model = cfg["wan21"]
+            _fp8_copy(os.path.join(store, model), os.path.join(store, f"{model}-fp8"), log)
+        if "wan21" in parts:
 
             def partial(part: dict) -> None:  # each row as it ends: a cut run keeps them
                 report["parts"]["wan21"] = part
@@ -113,10 +141,23 @@ def run_video_bench(
                     save(report)
 
             partial(_wan21(store, cfg, dev, passes, work, log, partial, figures or work))
+        if "fp8" in parts:
+
+            def partial_fp8(part: dict) -> None:
+                report["parts"]["fp8"] = part
+                report["targets"] = evaluate_targets(report)
+                if save is not None:
+                    save(report)
+
+            partial_fp8(_fp8(store, cfg, dev, passes, work, log, partial_fp8))
         if "a14b" in parts:
             store = os.path.join(work, "store-a14b")
             _make_room_for_a14b(work, store, cfg, size, log)
             _write(store, (cfg["a14b"],), size, device, log, elsewhere=cfg["elsewhere"])
+            if "nostall_fp8" in systems:
+                away = {"transformer_2": cfg["elsewhere"]} if cfg["elsewhere"] else None
+                src = os.path.join(store, cfg["a14b"])
+                _fp8_copy(src, f"{src}-fp8", log, away=away)
 
             def partial_a14b(part: dict) -> None:
                 report["parts"]["a14b"] = part
@@ -124,7 +165,8 @@ def run_video_bench(
                 if save is not None:
                     save(report)
 
-            partial_a14b(_a14b(store, cfg, dev, passes, work, size, log, save=partial_a14b))
+            part = run_a14b(store, cfg, dev, passes, work, size, log, systems, save=partial_a14b)
+            partial_a14b(part)
     finally:
         if own:
             shutil.rmtree(work, ignore_errors=True)
@@ -164,128 +206,40 @@ def _make_room_for_a14b(work: str, store: str, cfg: dict, size: str, log) -> Non
         shutil.rmtree(os.path.join(work, "store-wan21"), ignore_errors=True)
 
 
-# ---- the systems ------------------------------------------------------------------
+def _fp8_copy(src: str, dst: str, log, away: dict[str, str] | None = None) -> None:
+    """``src``'s pipeline in FP8 at ``dst`` (:func:`nostall.quantize`; kept for the next
+    run). ``away``: roles converted into another folder (``/dev/shm``: the disk does
+    not take the A14B's bf16 and FP8 stores beside each other) and linked in."""
+    from nostall.quant import quantize
 
-
-def _served(url: str, body: dict, timeout: float = 900.0) -> dict[str, Any]:
-    """One video over HTTP: created, polled until done, its MP4 fetched."""
-    import httpx
-
+    if os.path.exists(os.path.join(dst, "model_index.json")):
+        return
     t = time.perf_counter()
-    r = httpx.post(f"{url}/v1/videos", json=body, timeout=60)
-    r.raise_for_status()
-    vid = r.json()["id"]
-    deadline = t + timeout
-    while True:
-        job = httpx.get(f"{url}/v1/videos/{vid}", timeout=60).json()
-        if job["status"] in ("completed", "failed", "cancelled"):
-            break
-        if time.perf_counter() > deadline:
-            raise TimeoutError(f"video {vid} still {job['status']} after {timeout} s")
-        time.sleep(0.02)
-    if job["status"] != "completed":
-        raise RuntimeError(f"video {vid} {job['status']}: {job.get('error')}")
-    content = httpx.get(f"{url}/v1/videos/{vid}/content", timeout=120)
-    content.raise_for_status()
-    wall = time.perf_counter() - t
-    httpx.delete(f"{url}/v1/videos/{vid}", timeout=60)
-    return {"wall_s": wall, "mp4_bytes": len(content.content)}
-
-
-def _body(model: str, cfg: dict, frames: int, steps: int, seed: int = 7) -> dict:
-    return {
-        "model": model,
-        "prompt": PROMPT,
-        "size": f"{cfg['width']}x{cfg['height']}",
-        "frames": frames,
-        "steps": steps,
-        "seed": seed,
-        "fps": 16,
-        "mode": "exact",
-    }
-
-
-def _call_kwargs(cfg: dict, frames: int, steps: int, dev: torch.device, seed: int = 7) -> dict:
-    """diffusers' call for the same job the worker runs (its own defaults otherwise)."""
-    return {
-        "prompt": PROMPT,
-        "height": cfg["height"],
-        "width": cfg["width"],
-        "num_frames": frames,
-        "num_inference_steps": steps,
-        "generator": torch.Generator(device=dev.type).manual_seed(seed),
-    }
-
-
-def _alone(cache, model, cfg, frames, steps, dev, path, frames_out) -> float:
-    """The worker's pipeline call, exact decode and MP4 in this process: no HTTP, no job;
-    ``frames_out`` is one :class:`~nostall.video.AsyncFramePipeline` kept across videos,
-    as the worker keeps its own."""
-    from nostall.video import denormalize, submit_decode
-
-    t = time.perf_counter()
-    with cache.use(model) as pipe, torch.inference_mode():
-        pipe.set_progress_bar_config(disable=True)
-        latents = pipe(**_call_kwargs(cfg, frames, steps, dev), output_type="latent").frames
-        vae = pipe.vae
-        z = denormalize(vae, latents.to(next(vae.parameters()).dtype))
-        submit_decode(vae, z, path, pipeline=frames_out, fps=16, mode="exact").result()
-    return time.perf_counter() - t
-
-
-def _diffusers_pipe(folder: str, dev: torch.device, *, offload: bool = False):
-    from diffusers import AutoencoderKLWan, WanPipeline
-
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    vae = AutoencoderKLWan.from_pretrained(folder, subfolder="vae", torch_dtype=torch.float32)
-    pipe = WanPipeline.from_pretrained(folder, vae=vae, torch_dtype=dtype)
-    if offload:
-        pipe.enable_model_cpu_offload(device=dev)
-    else:
-        pipe.to(dev)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def _diffusers(pipe, cfg, frames, steps, dev, path) -> tuple[float, np.ndarray]:
-    t = time.perf_counter()
-    out = pipe(**_call_kwargs(cfg, frames, steps, dev), output_type="np").frames[0]
-    WRITERS["used"] = _export(list(out), path)
-    return time.perf_counter() - t, out
-
-
-WRITERS: dict[str, str] = {}  # which of diffusers' writers the peer's MP4s went through
-
-
-def _export(frames: list, path: str) -> str:
-    """diffusers' ``export_to_video``; where imageio has no ffmpeg (the GPU machine has
-    imageio without imageio-ffmpeg, whose wheel is 68 MB), diffusers' own OpenCV writer,
-    which it uses when imageio is absent."""
-    from diffusers.utils import export_to_video, export_utils
-
+    away = dict(away or {})
+    view = f"{dst}.source"  # src without the roles written elsewhere
+    for stale in (view, f"{dst}.staged", f"{dst}.staged.partial"):
+        shutil.rmtree(stale, ignore_errors=True)
+    os.makedirs(view)
+    for name in os.listdir(src):
+        if name not in away:
+            os.symlink(os.path.realpath(os.path.join(src, name)), os.path.join(view, name))
+    elsewhere = []
     try:
-        export_to_video(frames, path, fps=16)
-        return "export_to_video (imageio-ffmpeg)"
-    except AttributeError as e:
-        if "ffmpeg" not in str(e):
-            raise
-    export_utils._legacy_export_to_video(frames, path, fps=16)
-    return "export_to_video's OpenCV writer (imageio has no ffmpeg here)"
-
-
-def _peak(dev: torch.device) -> int | None:
-    return torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
-
-
-def _reset_peak(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-
-
-def _worker(store: str, dev: torch.device, work: str, **kw):
-    from nostall.serve.worker import Worker
-
-    return Worker(store, device=str(dev), video_dir=os.path.join(work, "videos"), **kw)
+        for role, folder in away.items():
+            out = os.path.join(folder, os.path.basename(dst), role)
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(f"{out}.partial", ignore_errors=True)
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+            quantize(os.path.join(src, role), out)
+            elsewhere.append((out, role))
+        quantize(view, f"{dst}.staged")
+        for out, role in elsewhere:
+            os.symlink(out, os.path.join(f"{dst}.staged", role))
+        os.replace(f"{dst}.staged", dst)
+    finally:
+        shutil.rmtree(view, ignore_errors=True)
+        shutil.rmtree(f"{dst}.staged", ignore_errors=True)
+    log(f"FP8 {os.path.basename(dst)} written in {time.perf_counter() - t:.1f} s")
 
 
 # ---- wan21 ---------------------------------------------------------------------------
@@ -298,7 +252,7 @@ def _wan21(store, cfg, dev, passes, work, log, save=None, figures=None) -> dict[
     model = cfg["wan21"]
     folder = os.path.join(store, model)
     t = time.perf_counter()
-    worker = _worker(store, dev, work, gpu_budget=cfg["wan21_budget"])
+    worker = make_worker(store, dev, work, gpu_budget=cfg["wan21_budget"])
     part: dict[str, Any] = {"model": model, "rows": [], "complete": False}
     from nostall.video import AsyncFramePipeline
 
@@ -307,14 +261,14 @@ def _wan21(store, cfg, dev, passes, work, log, save=None, figures=None) -> dict[
         worker.cache.prepare(model)
         part["worker_start_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        pipe = _diffusers_pipe(folder, dev)
+        pipe = diffusers_pipe(folder, dev)
         part["diffusers_load_s"] = time.perf_counter() - t
         # warm-ups, one step each (the worker's first switch moves the weights in)
         frames0 = cfg["rows"][0][0]
         t = time.perf_counter()
-        _served(server.url, _body(model, cfg, frames0, 1))
+        serve_video(server.url, job_body(model, cfg, frames0, 1))
         part["nostall_first_video_s"] = time.perf_counter() - t
-        _diffusers(pipe, cfg, frames0, 1, dev, os.path.join(work, "warm.mp4"))
+        diffusers_video(pipe, cfg, frames0, 1, dev, os.path.join(work, "warm.mp4"))
         for n, (frames, steps) in enumerate(cfg["rows"]):
             row: dict[str, Any] = {
                 "frames": frames,
@@ -324,13 +278,13 @@ def _wan21(store, cfg, dev, passes, work, log, save=None, figures=None) -> dict[
                 "diffusers": [],
             }
             for k in range(passes):
-                served = _served(server.url, _body(model, cfg, frames, steps))
+                served = serve_video(server.url, job_body(model, cfg, frames, steps))
                 row["nostall"].append(served["wall_s"])
                 path = os.path.join(work, f"alone-{frames}-{steps}-{k}.mp4")
-                alone = _alone(worker.cache, model, cfg, frames, steps, dev, path, frames_out)
+                alone = alone_video(worker.cache, model, cfg, frames, steps, dev, path, frames_out)
                 row["alone"].append(alone)
                 path = os.path.join(work, f"diffusers-{frames}-{steps}-{k}.mp4")
-                wall, ref = _diffusers(pipe, cfg, frames, steps, dev, path)
+                wall, ref = diffusers_video(pipe, cfg, frames, steps, dev, path)
                 row["diffusers"].append(wall)
                 log(
                     f"wan21 {frames}f {steps} steps pass {k + 1}: nostall "
@@ -346,7 +300,7 @@ def _wan21(store, cfg, dev, passes, work, log, save=None, figures=None) -> dict[
                 save(part)
         if dev.type == "cuda":  # one served job under the profiler: the GPU's busy share
             frames, steps = cfg["rows"][1] if len(cfg["rows"]) > 1 else cfg["rows"][0]
-            body = _body(model, cfg, frames, steps)
+            body = job_body(model, cfg, frames, steps)
             part["profiled"] = _busy(server.url, body, work, figures or work)
             if save is not None:
                 save(part)
@@ -364,7 +318,7 @@ def _busy(url: str, body: dict, work: str, figures: str) -> dict[str, Any]:
     from nostall.bench.timeline import load_trace, plot_timelines
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall = _served(url, body)["wall_s"]
+        wall = serve_video(url, body)["wall_s"]
     path = os.path.join(work, "served-job.trace.json")
     prof.export_chrome_trace(path)
     tr = load_trace(path)
@@ -417,170 +371,64 @@ def _frames_check(worker, model, cfg, frames, steps, work, ref) -> dict[str, Any
     }
 
 
-# ---- a14b ----------------------------------------------------------------------------
+# ---- fp8 -----------------------------------------------------------------------------
 
 
-def _budget(store: str, cfg: dict) -> int:
-    if cfg["budget"] is not None:
-        return cfg["budget"]
-    from nostall.serve.budget import device_bytes
-    from nostall.store.catalog import Store
+def _fp8(store, cfg, dev, passes, work, log, save=None) -> dict[str, Any]:
+    """The FP8 copy served over HTTP against diffusers in bf16, interleaved."""
+    from nostall.serve.app import create_app
+    from nostall.serve.local import BackgroundServer
 
-    entry = Store(store).entry(cfg["a14b"])
-    sizes = {c.role: device_bytes(c, None) for c in entry.distinct_weights()}
-    rest = sum(n for r, n in sizes.items() if not r.startswith("transformer"))
-    return rest + sizes["transformer"] + sizes["transformer"] // 8  # one expert, not two
-
-
-def _a14b(store, cfg, dev, passes, work, size, log, save=None) -> dict[str, Any]:
-    budget = _budget(store, cfg)
-    part: dict[str, Any] = {
-        "model": cfg["a14b"],
-        "gpu_budget": budget,
-        "rows": [],
-        "isolated": size == "full",
-    }
-    for frames, steps in cfg["a14b_rows"]:
-        row: dict[str, Any] = {
-            "frames": frames,
-            "steps": steps,
-            "nostall": [],
-            "diffusers": [],
-            "boundary_visible_s": [],
-            "peak_bytes": {},
-        }
-        for k in range(passes):
-            for who in ("nostall", "diffusers"):
-                args = (who, store, cfg, str(dev), budget, frames, steps, work)
-                out = _isolated(args) if size == "full" else _a14b_system(*args)
-                row[who].append(out["wall_s"])
-                row["peak_bytes"][who] = out["peak_bytes"]
-                row.setdefault(f"{who}_load_s", []).append(out["load_s"])
-                if "boundary_visible_s" in out:
-                    row["boundary_visible_s"].append(out["boundary_visible_s"])
-                    row.setdefault("boundary_switch", out["boundary_switch"])
-                log(
-                    f"a14b {frames}f {steps} steps pass {k + 1}: {who} {out['wall_s']:.2f} s "
-                    f"(load {out['load_s']:.1f} s)"
+    model = f"{cfg['wan21']}-fp8"
+    part: dict[str, Any] = {"model": model, "peer_model": cfg["wan21"], "rows": []}
+    part["complete"] = False
+    worker = make_worker(store, dev, work, gpu_budget=cfg["fp8_budget"])
+    with BackgroundServer(create_app(worker)) as server:
+        worker.cache.prepare(model)
+        part["fp8_layers"] = _fp8_layers(worker.cache, model)
+        pipe = diffusers_pipe(os.path.join(store, cfg["wan21"]), dev)
+        frames0 = cfg["fp8_rows"][0][0]
+        serve_video(server.url, job_body(model, cfg, frames0, 1))  # warm-ups, one step each
+        diffusers_video(pipe, cfg, frames0, 1, dev, os.path.join(work, "warm.mp4"))
+        for frames, steps in cfg["fp8_rows"]:
+            row: dict[str, Any] = {"frames": frames, "steps": steps}
+            row.update(nostall_fp8=[], diffusers=[])
+            for k in range(passes):
+                row["nostall_fp8"].append(
+                    serve_video(server.url, job_body(model, cfg, frames, steps))["wall_s"]
                 )
-                _medians(row)
-                if save is not None:  # each system's video as it ends: a cut run keeps it
-                    save({**part, "rows": [*part["rows"], row], "complete": False})
-        part["rows"].append(_medians(row))
+                path = os.path.join(work, f"diffusers-{frames}-{steps}-{k}.mp4")
+                row["diffusers"].append(diffusers_video(pipe, cfg, frames, steps, dev, path)[0])
+                log(
+                    f"fp8 {frames}f {steps} steps pass {k + 1}: nostall FP8 "
+                    f"{row['nostall_fp8'][-1]:.2f} s, diffusers bf16 {row['diffusers'][-1]:.2f} s"
+                )
+            for who in ("nostall_fp8", "diffusers"):
+                row[f"{who}_median_s"] = statistics.median(row[who])
+            part["rows"].append(row)
+            if save is not None:
+                save(part)
+        del pipe
+    worker.shutdown()
     part["complete"] = True
     return part
 
 
-def _medians(row: dict[str, Any]) -> dict[str, Any]:
-    for who in ("nostall", "diffusers"):
-        if row[who]:
-            row[f"{who}_median_s"] = statistics.median(row[who])
-    if row["boundary_visible_s"]:
-        row["boundary_visible_median_s"] = statistics.median(row["boundary_visible_s"])
-    return row
-
-
-def _isolated(args: tuple) -> dict[str, Any]:
-    """:func:`_a14b_system` in a process of its own (spawned: CUDA is not forked)."""
-    ctx = multiprocessing.get_context("spawn")
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        path = f.name
-    try:
-        p = ctx.Process(target=_child, args=(args, path))
-        p.start()
-        p.join()
-        if p.exitcode != 0:
-            raise RuntimeError(f"the {args[0]} process ended with exit code {p.exitcode}")
-        with open(path) as f:
-            return json.load(f)
-    finally:
-        os.unlink(path)
-
-
-def _child(args: tuple, path: str) -> None:
-    out = _a14b_system(*args)
-    with open(path, "w") as f:
-        json.dump(out, f)
-
-
-def _a14b_system(who, store, cfg, device, budget, frames, steps, work) -> dict[str, Any]:
-    """One A14B video by ``who`` (after its load; nostall's first video, which moves the
-    weights from disk, is a warm-up), its peak device bytes, and for nostall the boundary's
-    visible seconds from step-end events."""
-    from nostall.serve.app import create_app
-    from nostall.serve.local import BackgroundServer
-
-    dev = torch.device(device)
-    model = cfg["a14b"]
-    out: dict[str, Any] = {}
-    t = time.perf_counter()
-    if who == "diffusers":
-        pipe = _diffusers_pipe(os.path.join(store, model), dev, offload=True)
-        out["load_s"] = time.perf_counter() - t
-        _reset_peak(dev)
-        out["wall_s"], _ = _diffusers(pipe, cfg, frames, steps, dev, os.path.join(work, "o.mp4"))
-        out["peak_bytes"] = _peak(dev)
-        out["writer"] = WRITERS.get("used")
-        return out
-    worker = _worker(store, dev, work, gpu_budget=budget, host_budget=cfg["host_budget"])
-    try:
-        with BackgroundServer(create_app(worker)) as server:
-            worker.cache.prepare(model)
-            _served(server.url, _body(model, cfg, frames, 2))  # disk → host tier → device
-            out["load_s"] = time.perf_counter() - t
-            _reset_peak(dev)
-            out["wall_s"] = _served(server.url, _body(model, cfg, frames, steps))["wall_s"]
-            out["peak_bytes"] = _peak(dev)
-            out.update(_boundary(worker.cache, model, cfg, frames, steps, dev))
-    finally:
-        worker.shutdown()
-    return out
-
-
-def _boundary(cache, model, cfg, frames, steps, dev) -> dict[str, Any]:
-    """The boundary step's time less the median of the other steps (the first step,
-    which includes the text encoding, left out), from marks at each step's end."""
-    cuda = dev.type == "cuda"
-    marks: list[Any] = []
-
-    def mark() -> Any:
-        if cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def step_end(pipe, i, t, tensors):
-        marks.append(mark())
-        return {}
-
-    with cache.use(model) as pipe, torch.inference_mode():
-        pipe.set_progress_bar_config(disable=True)
-        pipe(
-            **_call_kwargs(cfg, frames, steps, dev),
-            output_type="latent",
-            callback_on_step_end=step_end,
-        )
-        sync(dev)
-        ts = [float(t) for t in pipe.scheduler.timesteps.cpu()]
-        boundary = pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps
-        reports = list(pipe.nostall_experts.reports)
-    b = next(i for i, t in enumerate(ts) if t < boundary)
-    steps_s = [
-        (marks[i - 1].elapsed_time(marks[i]) / 1e3) if cuda else marks[i] - marks[i - 1]
-        for i in range(1, len(marks))
-    ]  # steps_s[i - 1]: step i
-    others = [s for i, s in enumerate(steps_s, start=1) if i != b]
-    visible = steps_s[b - 1] - statistics.median(others) if others else None
-    rep = reports[0] if reports else None
-    return {
-        "boundary_visible_s": visible,
-        "boundary_step": b,
-        "step_s": steps_s,
-        "boundary_switch": None
-        if rep is None
-        else {"moved_bytes": rep.moved_bytes, "total_s": rep.total_s, "evicted": list(rep.evicted)},
-    }
+def _fp8_layers(cache, model: str) -> dict[str, Any]:
+    """How many of the served transformer's linear layers hold FP8 weights, and on
+    which path they compute (tensor cores, or the weight upcast per call)."""
+    with cache.use(model) as pipe:
+        module = pipe.transformer if pipe.transformer is not None else pipe.transformer_2
+        fp8 = [
+            m
+            for m in module.modules()
+            if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float8_e4m3fn
+        ]
+        return {
+            "fp8": len(fp8),
+            "linear": sum(isinstance(m, torch.nn.Linear) for m in module.modules()),
+            "tensor_cores": sum(bool(getattr(m, "_fp8_tensor_cores", False)) for m in fp8),
+        }
 
 
 # ---- targets and tables --------------------------------------------------------------
@@ -588,8 +436,8 @@ def _boundary(cache, model, cfg, frames, steps, dev) -> dict[str, Any]:
 
 def evaluate_targets(report: dict[str, Any]) -> Targets:
     t = Targets()
-    wan = report.get("parts", {}).get("wan21")
-    a14b = report.get("parts", {}).get("a14b")
+    parts = report.get("parts", {})
+    wan, fp8, a14b = (parts.get(k) for k in ("wan21", "fp8", "a14b"))
     main = wan["rows"][0] if wan and wan["rows"] else None
     t.add(
         "t2v_served_vs_pipeline_alone",
@@ -597,25 +445,33 @@ def evaluate_targets(report: dict[str, Any]) -> Targets:
         "<=",
         1.03,
     )
-    t.add(
-        "t2v_e2e_vs_diffusers",
-        main and main["diffusers_median_s"] / main["nostall_median_s"],
-        ">=",
-        1.0,
-    )
-    t.add("fp8_t2v_e2e_vs_diffusers_bf16", None, ">=", 1.15)
+    t.add("t2v_e2e_vs_diffusers", _ratio(main, "diffusers", "nostall"), ">=", 1.0)
+    first = fp8["rows"][0] if fp8 and fp8["rows"] else None
+    t.add("fp8_t2v_e2e_vs_diffusers_bf16", _ratio(first, "diffusers", "nostall_fp8"), ">=", 1.15)
     row = a14b["rows"][0] if a14b and a14b["rows"] else None
-    ratio = None
-    if row and "diffusers_median_s" in row and "nostall_median_s" in row:
-        ratio = row["diffusers_median_s"] / row["nostall_median_s"]
-    t.add("a14b_44gb_e2e_vs_diffusers_offload", ratio, ">=", 2.0)
+    t.add("a14b_44gb_e2e_vs_diffusers_offload", _ratio(row, "diffusers", "nostall"), ">=", 2.0)
     t.add("a14b_boundary_visible_s", row and row.get("boundary_visible_median_s"), "<=", 0.6)
-    t.add("fp8_a14b_boundary_visible_s", None, "<=", 0.02)
+    fp8_visible = row and row.get("fp8_boundary_visible_median_s")
+    t.add("fp8_a14b_boundary_visible_s", fp8_visible, "<=", 0.02)
     busy = wan.get("profiled", {}).get("busy_share") if wan else None
     t.add("video_job_kernel_busy_share", busy, ">=", 0.99)
     equal = wan.get("frames_equal") if wan else None
     t.add("video_frames_equal_pipeline", None if equal is None else int(equal), ">=", 1)
     return t
+
+
+def _ratio(row: dict[str, Any] | None, a: str, b: str) -> float | None:
+    """``a``'s median over ``b``'s in ``row``, where both ran."""
+    if not row or f"{a}_median_s" not in row or f"{b}_median_s" not in row:
+        return None
+    return row[f"{a}_median_s"] / row[f"{b}_median_s"]
+
+
+_COLUMNS = {
+    "wan21": ("nostall", "alone", "diffusers"),
+    "fp8": ("nostall_fp8", "diffusers"),
+    "a14b": SYSTEMS,
+}
 
 
 def tables(report: dict[str, Any]) -> list:
@@ -625,18 +481,22 @@ def tables(report: dict[str, Any]) -> list:
 
     out = []
     for name, part in report.get("parts", {}).items():
-        systems = ("nostall", "alone", "diffusers") if name == "wan21" else ("nostall", "diffusers")
+        systems = [w for w in _COLUMNS[name] if any(w in r for r in part["rows"])]
         tab = Table(
             title=f"{name}: {part['model']} (medians of {report['passes']} passes, s)",
             title_justify="left",
         )
-        for col in ("frames", "steps", *systems, "diffusers ÷ nostall"):
+        ours = [w for w in systems if w != "diffusers" and w != "alone"]
+        for col in ("frames", "steps", *systems, *(f"diffusers ÷ {w}" for w in ours)):
             tab.add_column(col, justify="right")
         for row in part["rows"]:
-            med = [row[f"{w}_median_s"] for w in systems]
-            ratio = row["diffusers_median_s"] / row["nostall_median_s"]
+            med = [row.get(f"{w}_median_s") for w in systems]
+            ratios = [_ratio(row, "diffusers", w) for w in ours]
             tab.add_row(
-                str(row["frames"]), str(row["steps"]), *(f"{m:.2f}" for m in med), f"{ratio:.2f}×"
+                str(row["frames"]),
+                str(row["steps"]),
+                *("—" if m is None else f"{m:.2f}" for m in med),
+                *("—" if r is None else f"{r:.2f}×" for r in ratios),
             )
         out.append(tab)
     out.append(table(report.get("targets", {})))

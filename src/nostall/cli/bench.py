@@ -532,9 +532,16 @@ def bench_video(
     part: list[str] = typer.Option(  # noqa: B008
         None,
         "--part",
-        help="wan21 (the worker against the pipeline alone and diffusers), a14b (one expert "
-        "at a time under a 44 GB budget against diffusers' model CPU offload); repeatable, "
-        "default both.",
+        help="wan21 (the worker against the pipeline alone and diffusers), fp8 (the worker "
+        "serving the FP8 copy against diffusers bf16), a14b (a 48 GB card: one expert at a "
+        "time in bf16, both in FP8, against diffusers' model CPU offload); repeatable, "
+        "default all.",
+    ),
+    system: list[str] = typer.Option(  # noqa: B008
+        None,
+        "--system",
+        help="The a14b part's systems: nostall, nostall_fp8, diffusers; repeatable, default "
+        "all (one device call may not hold all three).",
     ),
     passes: int = typer.Option(2, callback=in_range(1), help="Interleaved passes (medians)."),
     work: str = typer.Option(
@@ -555,6 +562,7 @@ def bench_video(
 
     check_choices([size], tuple(bench.SIZES), "--size")
     parts = check_choices(part or bench.PARTS, bench.PARTS, "--part")
+    systems = check_choices(system or bench.SYSTEMS, bench.SYSTEMS, "--system")
     check_output(out, hint="--out", overwrite=overwrite)
     with usage_errors():
         report = bench.run_video_bench(
@@ -566,5 +574,6 @@ def bench_video(
             log=_log,
             save=lambda r: write_report(r, out, overwrite=True),
             figures=os.path.dirname(os.path.abspath(out)),
+            systems=tuple(systems),
         )
     _finish(report, bench.tables(report), out, overwrite=True)
