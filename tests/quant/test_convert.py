@@ -463,3 +463,27 @@ def test_a_pipelines_vae_is_copied_as_it_is(tmp_path):
         for f in vae
     )
     assert not any("/vae/" in f for f in report.files)
+
+
+def test_a_pipeline_whose_components_are_linked_folders_is_copied_whole(tmp_path):
+    # a component on another disk, linked into the pipeline folder (and a link back up
+    # the tree, which must not be walked around forever)
+    import shutil
+
+    from nostall.synthetic import write_store
+
+    flux = write_store(tmp_path / "s", ("flux",))["flux"]
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    for name in os.listdir(flux):
+        os.symlink(os.path.join(flux, name), linked / name)
+    shutil.move(os.path.join(flux, "scheduler"), tmp_path / "elsewhere-scheduler")
+    os.unlink(linked / "scheduler")
+    os.symlink(tmp_path / "elsewhere-scheduler", linked / "scheduler")
+    os.symlink(tmp_path / "elsewhere-scheduler", tmp_path / "elsewhere-scheduler" / "loop")
+    nostall.quantize(linked, tmp_path / "flux8")
+    for role in ("vae", "scheduler", "tokenizer"):
+        out = tmp_path / "flux8" / role
+        assert out.is_dir() and not out.is_symlink() and os.listdir(out), role
+    assert (tmp_path / "flux8" / "scheduler" / "scheduler_config.json").is_file()
+    nostall.ModelCache(tmp_path, device="cpu").store.entry("flux8")  # a whole pipeline

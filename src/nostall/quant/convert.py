@@ -499,7 +499,15 @@ def _copy_tree(source: str, dest: str, *, skip: set[str]) -> None:
     root = source if os.path.isdir(source) else os.path.dirname(os.path.abspath(source))
     if not os.path.isdir(source):
         return  # an index: only its shards and the index itself are written
-    for dirpath, _, filenames in os.walk(root):
+    seen: set[str] = set()
+    # Linked folders are followed (a component may be a link to another disk's folder),
+    # each real folder once: a link back up the tree is not walked around forever.
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:
+            dirnames[:] = []
+            continue
+        seen.add(real)
         rel = os.path.relpath(dirpath, root)
         out_dir = os.path.normpath(os.path.join(dest, rel))
         try:
