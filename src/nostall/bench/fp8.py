@@ -376,52 +376,89 @@ class _Fp8Bench:
         return {"equal": int(equal), "max_abs_diff": float((served - built).abs().max())}
 
     def e2e(self) -> dict:
+        """Both pipelines' caches open side by side, runs interleaved (bf16, FP8, bf16,
+        FP8, ...: this machine's speed drifts within a run), medians; each run's phases
+        (the switch from the host tier, text encoding, denoising, the VAE and the rest)
+        from the worker's own phase clock."""
+        from nostall.serve.calls import PhaseClock
+
         steps, res = (28, 1024) if self.size == "full" else (2, 32)
         out: dict = {"steps": steps, "resolution": res}
-        for name, root, pipeline in (
-            ("bf16", self.store, "flux"),
-            ("fp8", self.fp8_root, "flux8"),
-        ):
-            runs = []
-            with self._cache(root) as cache:
-                cache.prepare(pipeline)
-                cache.pipeline(pipeline)  # read once: the host tier holds it now
-                for _ in range(2):
-                    cache.evict("gpu")
+        systems = (("bf16", self.store, "flux"), ("fp8", self.fp8_root, "flux8"))
+        caches = {name: self._cache(root) for name, root, _ in systems}
+        runs: dict[str, list[dict]] = {name: [] for name, _, _ in systems}
+        try:
+            for name, _, pipeline in systems:
+                caches[name].prepare(pipeline)
+                caches[name].pipeline(pipeline)  # read once: the host tier holds it now
+                caches[name].evict("gpu")
+            for _ in range(max(3, min(self.repeat, 5))):
+                for name, _, pipeline in systems:
+                    cache = caches[name]
                     self.free()
                     sync(self.dev)
                     t = time.perf_counter()
                     with cache.use(pipeline) as pipe:
+                        switched = time.perf_counter()
                         switch = cache.last_report
                         pipe.set_progress_bar_config(disable=True)
+                        clock = PhaseClock(pipe, self.dev)
                         g = torch.Generator(device=self.dev.type).manual_seed(0)
-                        with torch.inference_mode():
-                            pipe(
-                                prompt="a lighthouse at dusk, oil painting",
-                                height=res,
-                                width=res,
-                                num_inference_steps=steps,
-                                guidance_scale=3.5,
-                                generator=g,
-                                output_type="np",
-                            )
-                        sync(self.dev)
-                    runs.append(
+                        try:
+                            with torch.inference_mode():
+                                pipe(
+                                    prompt="a lighthouse at dusk, oil painting",
+                                    height=res,
+                                    width=res,
+                                    num_inference_steps=steps,
+                                    guidance_scale=3.5,
+                                    generator=g,
+                                    output_type="np",
+                                )
+                            sync(self.dev)
+                            done = time.perf_counter()
+                        finally:
+                            clock.remove()
+                    phases = clock.phases(done)
+                    runs[name].append(
                         {
                             "total_s": time.perf_counter() - t,
-                            "switch_s": switch.total_s,
+                            "switch_s": switched - t,
+                            "text_s": phases["text"],
+                            "denoise_s": phases["denoise"],
+                            "decode_and_rest_s": phases["decode"],
                             "moved_gb": switch.moved_bytes / 1e9,
                             "tiers": sorted({c.tier for c in switch.components}),
                         }
                     )
-            best = min(runs, key=lambda r: r["total_s"])
-            out[name] = {"runs": runs, "total_s": best["total_s"]}
+                    cache.evict("gpu")  # the next run switches in from the host tier again
+        finally:
+            for cache in caches.values():
+                cache.close()
+        for name, got in runs.items():
+            keys = [k for k in got[0] if k.endswith("_s")]
+            med = {k: statistics.median(r[k] for r in got) for k in keys}
+            out[name] = {"runs": got, **med}
             self.log(
-                f"  {name}: end to end {best['total_s']:.3f} s (switch {best['switch_s']:.3f} s, "
-                f"{best['moved_gb']:.2f} GB from {best['tiers']})"
+                f"  {name}: end to end {med['total_s']:.3f} s (median of {len(got)}; switch "
+                f"{med['switch_s']:.3f} s, text {med['text_s']:.3f} s, denoise "
+                f"{med['denoise_s']:.3f} s, VAE and the rest {med['decode_and_rest_s']:.3f} s)"
             )
         out["fp8_speedup"] = out["bf16"]["total_s"] / out["fp8"]["total_s"]
+        out["phase_speedups"] = {
+            k: out["bf16"][k] / out["fp8"][k]
+            for k in ("switch_s", "text_s", "denoise_s", "decode_and_rest_s")
+            if out["fp8"][k] > 0
+        }
         return out
+
+
+_PHASES = (
+    ("switch_s", "switch"),
+    ("text_s", "text encoding"),
+    ("denoise_s", "denoising"),
+    ("decode_and_rest_s", "VAE and the rest"),
+)
 
 
 def _pipeline_bytes(root: str) -> int:
@@ -554,6 +591,11 @@ def tables(report: dict) -> list:
             f"{1 / e2e['fp8_speedup']:.3f}",
             "",
         )
+        for key, label in _PHASES:
+            if key in e2e["fp8"]:
+                a, b = e2e["bf16"][key], e2e["fp8"][key]
+                ratio = f"{b / a:.3f}" if a else ""
+                table.add_row(f"  of which {label} (s)", f"{a:.3f}", f"{b:.3f}", ratio, "")
     if "equal" in res.get("cache", {}):
         equal = str(bool(res["cache"]["equal"]))
         table.add_row("model cache = load_model (FP8)", "", equal, "", "")
