@@ -175,6 +175,29 @@ def test_a_tier_holding_one_expert_only_without_the_text_encoder_encodes_first(w
         assert np.array_equal(frames, reference[0]) and len(encodes) == 4  # (and negative)
 
 
+def test_a_tier_holding_both_experts_only_without_the_text_encoder_prefetches(wan22, reference,
+                                                                             tmp_path):  # fmt: skip
+    # an FP8 A14B on a 48 GB card: both experts fit once UMT5 has encoded and left
+    _, rows = _sizes(wan22, tmp_path / "sizes")
+    vae, text, expert = (_pages(rows[r]) for r in ("vae", "text_encoder", "transformer"))
+    budget = vae + 2 * expert + text // 2
+    with nostall.ModelCache(wan22, device="cpu", gpu_budget=budget, cache_dir=tmp_path) as c:
+        with c.use("wan22") as pipe:
+            pipe.set_progress_bar_config(disable=True)
+            assert pipe.nostall_experts.text == ("text_encoder",)
+            frames = _call(pipe)
+            _, second = pipe.nostall_experts.reports
+            assert second.moved_bytes == 0 and not second.evicted  # prefetched: nothing moved
+            assert any(r.prefetch and r.moved_bytes == rows["transformer_2"] for r in c.reports)
+            assert c.stats().gpu_bytes <= budget
+            assert np.array_equal(_call(pipe), reference[0])  # again: the encoder comes back
+        assert np.array_equal(frames, reference[0])
+    # with room for everything, the text encoder stays for the block
+    roomy = nostall.ModelCache(wan22, device="cpu", gpu_budget=budget + text, cache_dir=tmp_path)
+    with roomy, roomy.use("wan22") as pipe:
+        assert pipe.nostall_experts.text == ()
+
+
 def test_a_budget_without_room_for_one_expert_and_loras_are_refused(wan22, tmp_path):
     _, rows = _sizes(wan22, tmp_path / "sizes")
     vae, expert = _pages(rows["vae"]), _pages(rows["transformer"])

@@ -26,17 +26,26 @@ def test_preferred_offset_is_taken_when_free():
     assert not r.take(55, 2)
 
 
+def test_high_carves_from_the_top_so_the_room_it_leaves_joins_the_free_run():
+    r = Ranges(100)
+    assert r.carve(10) == 0
+    assert r.carve(20, high=True) == 80  # [0,10) [80,100) taken
+    assert r.carve(30) == 10  # best fit from the low end
+    r.give_back(80, 20)
+    assert r.runs() == [(40, 60)]  # one run: what left joined the free space
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40)), max_size=60))
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 40)), max_size=60))
 def test_carved_ranges_never_overlap_and_everything_comes_back(ops):
     r = Ranges(256)
     held: list[tuple[int, int]] = []
-    for give, size in ops:
-        if give and held:
+    for op, size in ops:
+        if op == 0 and held:
             off, n = held.pop(size % len(held))
             r.give_back(off, n)
         else:
-            off = r.carve(size)
+            off = r.carve(size, high=op == 2)
             if off is None:
                 assert r.largest < size
                 continue

@@ -151,6 +151,7 @@ class ModelCache:
         root = self.store.root
         self._controlnets = os.path.join(root, "controlnets") if root else None
         self._protected: set[str] = set()  # prefetched, not used yet
+        self._high = False
         self._current: set[str] = set()  # the last pipeline handed out without use()
         self._roles: dict[str, set[tuple[str, str]]] = {}  # digest -> {(pipeline, role)}
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="nostall-prefetch")
@@ -473,6 +474,7 @@ class ModelCache:
         without: Iterable[str] = (),
         build: bool = True,
         expert: bool = False,
+        high: bool = False,
     ) -> tuple[Any, SwitchReport, Hold | None]:
         t0 = time.perf_counter()
         self._check_open()
@@ -488,7 +490,11 @@ class ModelCache:
                 self._tick += 1
                 for c in comps:
                     self._roles.setdefault(c.digest, set()).add((name, c.role))
-                moves, rows, evicted, waited = self._plan(comps, keep, mode)
+                self._high = high  # (new slots at their runs' tops: they leave soon)
+                try:
+                    moves, rows, evicted, waited = self._plan(comps, keep, mode)
+                finally:
+                    self._high = False
                 for c in comps:
                     self._tier.slots[c.digest].last_used = self._tick
                 # Claimed before the lock is let go: no other switch may evict them now.
@@ -655,7 +661,7 @@ class ModelCache:
             if room is not None:
                 for d in room.fit:
                     self._evict_slot(self._tier.slots[d], evicted)
-                placed = self._tier.place(digest, need, sticky=sticky)
+                placed = self._tier.place(digest, need, sticky=sticky, high=self._high)
                 if placed is None:
                     raise InternalError(
                         f"the placement policy promised {need} free bytes for {digest[:12]}, "

@@ -136,15 +136,15 @@ class DeviceTier:
         return self.buffer()[slot.offset : slot.offset + slot.size]
 
     def place(
-        self, digest: str, nbytes: int, *, sticky: bool = True
+        self, digest: str, nbytes: int, *, sticky: bool = True, high: bool = False
     ) -> tuple[Slot, list[Any]] | None:
         """A new slot for ``digest``, and the events the copy into it must wait for;
         ``None`` when no free run is large enough (the caller evicts and retries).
         ``sticky``: back at its last offset if that range is free (its module's views
-        are then still right)."""
+        are then still right); ``high``: at the top of its run (it leaves soon)."""
         size = self.slot_size(nbytes)
         prefer = self.last_offset.get(digest) if sticky else None
-        offset = self._ranges.carve(size, prefer=prefer)
+        offset = self._ranges.carve(size, prefer=prefer, high=high)
         if offset is None:
             return None
         slot = Slot(digest, offset, size, nbytes)

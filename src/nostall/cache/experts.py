@@ -18,10 +18,12 @@ every call, that it still holds its weights. A second call in the same block sta
 again from the first expert.
 
 When the tier cannot hold even one expert beside the text encoders and the rest (a
-bf16 A14B on a 48 GB card: 11.4 GB of UMT5, 28.6 GB of expert, the activations), the
-text encoders leave too: the block holds them on entry, each call encodes its prompt
+bf16 A14B on a 48 GB card: 11.4 GB of UMT5, 28.6 GB of expert, the activations), or
+when it holds both experts only without them (an FP8 A14B on that card), the text
+encoders leave too: the block holds them on entry, each call encodes its prompt
 first (``encode_prompt``, as the call itself would), gives them back and only then
-brings the first expert in, which may evict them; a second call brings them back.
+brings the first expert in, which may evict them (and prefetches the second where
+their room makes it fit); a second call brings them back.
 
 Listeners (:meth:`Experts.on_swap`) hear of each expert (and text encoder) that comes
 in: a phase clock hooks its forward passes.
@@ -80,7 +82,10 @@ def use_experts(
 
     def switch(wanted: tuple[str, ...]) -> tuple[list[Any], Hold, SwitchReport]:
         leave = (others - set(wanted)) | without
-        _, rep, h = cache._switch(name, mode="use", without=leave, build=False, expert=True)
+        high = wanted == text  # the encoders leave soon: their room joins the free run
+        _, rep, h = cache._switch(
+            name, mode="use", without=leave, build=False, expert=True, high=high
+        )
         with cache._lock:
             return [cache._modules.holding(entry.components[r]) for r in wanted], h, rep
 
@@ -130,8 +135,9 @@ def _leaving(
     cache: Any, entry: PipelineEntry, roles: tuple[str, str], without: frozenset[str]
 ) -> tuple[str, ...]:
     """The text encoders that leave the device after encoding: all of them when the
-    tier cannot hold them beside the rest and the larger expert (and the pipeline
-    encodes as :func:`encoded` calls it), else none."""
+    tier cannot hold them beside the rest and the larger expert, or when their leaving
+    makes room for both experts at once (and the pipeline encodes as :func:`encoded`
+    calls it); else none."""
     text = tuple(
         r
         for r, c in entry.components.items()
@@ -148,10 +154,16 @@ def _leaving(
             c.role: cache._tier.slot_size(cache._modules.plan(c)[0].target_bytes)
             for c in entry.distinct_weights(without)
         }
-    need = sum(size.values()) - min(size[r] for r in roles)
-    if need <= cache._tier.budget:
+    budget, gone = cache._tier.budget, sum(size.get(r, 0) for r in text)
+    both = sum(size.values())
+    if both <= budget:  # everything at once
         return ()
-    lean = need - sum(size.get(r, 0) for r in text)
+    if both - gone <= budget:  # both experts, once the text encoders have encoded
+        return text
+    need = both - min(size[r] for r in roles)
+    if need <= budget:  # one expert at a time beside the text encoders
+        return ()
+    lean = need - gone
     if lean > cache._tier.budget:  # refused on entry, not at the first call's switch
         raise cache._tier.no_room(
             f"{entry.name}'s larger expert beside the rest, even with its text encoders gone",
@@ -336,6 +348,8 @@ class Experts:
             kwargs = _keywords(self.pipe, args, kwargs)
         if self._role != self.roles[0]:
             self._bring(self.roles[0])
+            if self.text and self._ahead is None:  # room the encoders left, if enough
+                self._ahead = self._prefetch(self.roles[1])
         self._check(self._inst, self._hold)
         self._timesteps = None
         user = kwargs.get("callback_on_step_end")

@@ -38,12 +38,13 @@ class Ranges:
     def runs(self) -> list[tuple[int, int]]:
         return list(self._free)
 
-    def carve(self, size: int, *, prefer: int | None = None) -> int | None:
+    def carve(self, size: int, *, prefer: int | None = None, high: bool = False) -> int | None:
         """Take ``size`` bytes; return their offset, or ``None`` when no run fits.
 
         ``prefer``: take exactly that offset if it is free (a component going back to
         where it was keeps every view into it valid); otherwise best fit, ties to the
-        lowest address.
+        lowest address, from the run's start (``high``: its end, for what leaves soon:
+        the room it leaves then joins the free space above it).
         """
         if prefer is not None and self.take(prefer, size):
             return prefer
@@ -56,6 +57,9 @@ class Ranges:
         off, run = self._free[best]
         if run == size:
             del self._free[best]
+        elif high:
+            self._free[best] = (off, run - size)
+            return off + run - size
         else:
             self._free[best] = (off + size, run - size)
         return off
