@@ -61,3 +61,22 @@ def test_an_unknown_part_or_system_is_a_usage_error(tmp_path, option):
     result = CliRunner().invoke(app, ["bench", "video", "--size", "tiny", "--device", "cpu",
                                       option, "ltx", "--out", str(tmp_path / "v.json")])  # fmt: skip
     assert result.exit_code == 2 and "ltx" in result.output
+
+
+def test_the_a14b_part_on_a_card_budget_calibrates_first(tmp_path, monkeypatch):
+    # the full run's path (a device budget made from the card's total, the activation
+    # peak measured in a process of its own first), here in-process on the CPU
+    from nostall.bench import video, video_a14b
+
+    monkeypatch.setitem(video.SIZES["tiny"], "card", 256 << 20)
+    calls = []
+    real = video_a14b._calibrate
+    monkeypatch.setattr(video_a14b, "_isolated", lambda args, fn="system": (
+        calls.append(fn) or (real(*args) if fn == "calibrate" else video_a14b._a14b_system(*args))
+    ))  # fmt: skip
+    report = video.run_video_bench(size="tiny", device="cpu", parts=("a14b",), passes=1,
+                                   work=str(tmp_path), log=lambda s: None,
+                                   systems=("nostall",))  # fmt: skip
+    row = report["parts"]["a14b"]["rows"][0]
+    assert calls == ["calibrate"] and row["calibrated_s"]["nostall"] > 0  # (tiny: in-process)
+    assert row["tier"]["nostall"]["gpu_budget"] > 0 and row["nostall_median_s"] > 0

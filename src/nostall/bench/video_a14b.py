@@ -61,6 +61,11 @@ def run_a14b(store, cfg, dev, passes, work, size, log, systems, save=None) -> di
             row[who] = []
             if who != "diffusers":
                 row[_visible(who)] = []
+        if cfg["card"] is not None:  # each nostall system's activations, measured first
+            for who in systems:
+                if who != "diffusers":
+                    got = _isolated((who, store, cfg, str(dev), frames, work), "calibrate")
+                    row.setdefault("calibrated_s", {})[who] = got["calibrated_s"]
         for k in range(passes):
             for who in systems:
                 args = (who, store, cfg, str(dev), budget, frames, steps, work)
@@ -101,13 +106,14 @@ def _medians(row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def _isolated(args: tuple) -> dict[str, Any]:
-    """:func:`_a14b_system` in a process of its own (spawned: CUDA is not forked)."""
+def _isolated(args: tuple, fn: str = "system") -> dict[str, Any]:
+    """:func:`_a14b_system` (or :func:`_calibrate`) in a process of its own (spawned:
+    CUDA is not forked)."""
     ctx = multiprocessing.get_context("spawn")
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
     try:
-        p = ctx.Process(target=_child, args=(args, path))
+        p = ctx.Process(target=_child, args=(args, path, fn))
         p.start()
         p.join()
         if p.exitcode != 0:
@@ -118,8 +124,8 @@ def _isolated(args: tuple) -> dict[str, Any]:
         os.unlink(path)
 
 
-def _child(args: tuple, path: str) -> None:
-    out = _a14b_system(*args)
+def _child(args: tuple, path: str, fn: str = "system") -> None:
+    out = (_a14b_system if fn == "system" else _calibrate)(*args)
     with open(path, "w") as f:
         json.dump(out, f)
 
@@ -146,34 +152,47 @@ def _a14b_system(who, store, cfg, device, budget, frames, steps, work) -> dict[s
         out["writer"] = WRITERS.get("used")
         return out
     peaks = os.path.join(work, "activation-peaks")  # remembered across the passes
-    for attempt in range(2):
-        card = _card(cfg, dev, model, peaks)
-        kw = {"budget": card} if card is not None else {"gpu_budget": budget}
-        worker = make_worker(store, dev, work, host_budget=cfg["host_budget"], **kw)
-        try:
-            with BackgroundServer(create_app(worker)) as server:
-                worker.cache.prepare(model)
-                serve_video(
-                    server.url, job_body(model, cfg, frames, 2)
-                )  # disk → host tier → device
-                if card is not None and attempt == 0 and _reserve_short(card, model):
-                    # its activations were not measured yet: a 48 GB card's process
-                    # would start again reserving them (as nostall serve does)
-                    out["calibrated_s"] = time.perf_counter() - t
-                    continue
-                out["load_s"] = time.perf_counter() - t
-                reset_device_peak(dev)
-                out["wall_s"] = serve_video(server.url, job_body(model, cfg, frames, steps))[
-                    "wall_s"
-                ]
-                out["peak_bytes"] = device_peak(dev)
-                stats = worker.cache.stats()
-                out["tier"] = {"gpu_budget": stats.gpu_budget, "reserve": worker.budget.reserve}
-                out.update(_boundary(worker.cache, model, cfg, frames, steps, dev))
-                return out
-        finally:
-            worker.shutdown()
-    raise AssertionError("unreachable: the second attempt returns")
+    card = _card(cfg, dev, model, peaks)
+    kw = {"budget": card} if card is not None else {"gpu_budget": budget}
+    worker = make_worker(store, dev, work, host_budget=cfg["host_budget"], **kw)
+    try:
+        with BackgroundServer(create_app(worker)) as server:
+            worker.cache.prepare(model)
+            serve_video(server.url, job_body(model, cfg, frames, 2))  # disk → host → device
+            out["load_s"] = time.perf_counter() - t
+            reset_device_peak(dev)
+            out["wall_s"] = serve_video(server.url, job_body(model, cfg, frames, steps))["wall_s"]
+            out["peak_bytes"] = device_peak(dev)
+            stats = worker.cache.stats()
+            out["tier"] = {"gpu_budget": stats.gpu_budget, "reserve": worker.budget.reserve}
+            out.update(_boundary(worker.cache, model, cfg, frames, steps, dev))
+    finally:
+        worker.shutdown()
+    return out
+
+
+def _calibrate(who, store, cfg, device, frames, work) -> dict[str, Any]:
+    """A 48 GB card's first start: one short video whose activation peak the worker
+    remembers, so the measured processes reserve it (as ``nostall serve`` does at its
+    next start); nothing where the peak is remembered already. A process of its own:
+    the measured one then holds one worker, one tier."""
+    from nostall.serve.app import create_app
+    from nostall.serve.local import BackgroundServer
+
+    dev = torch.device(device)
+    model = cfg["a14b"] + ("-fp8" if who == "nostall_fp8" else "")
+    card = _card(cfg, dev, model, os.path.join(work, "activation-peaks"))
+    if card is None or card.status()["peaks"].get(model):
+        return {"calibrated_s": 0.0}
+    t = time.perf_counter()
+    worker = make_worker(store, dev, work, host_budget=cfg["host_budget"], budget=card)
+    try:
+        with BackgroundServer(create_app(worker)) as server:
+            worker.cache.prepare(model)
+            serve_video(server.url, job_body(model, cfg, frames, 2))
+    finally:
+        worker.shutdown()
+    return {"calibrated_s": time.perf_counter() - t, "reserve_short": _reserve_short(card, model)}
 
 
 def _card(cfg: dict, dev: torch.device, model: str, peaks: str):
