@@ -147,6 +147,40 @@ def test_complete_records_the_output_and_its_info(store):
     assert os.path.exists(store.path(a))  # a second complete() keeps the output
 
 
+def test_complete_refuses_an_output_that_is_not_a_file(store):
+    """A folder under the job's name (PNG frames went there, not an MP4) is no output:
+    refused naming it, the job still running (the worker then fails it), the folder kept."""
+    a = _job(store)
+    store.start(a)
+    os.mkdir(store.path(a))
+    with pytest.raises(SinkError, match="is not a file") as e:
+        store.complete(a)
+    assert e.value.path == store.path(a) and store.get(a)["status"] == "in_progress"
+    assert os.path.isdir(store.path(a))
+
+
+def test_a_poll_reads_one_row_by_index_however_many_jobs_there_are(store):
+    """What GET /v1/videos/{id} and a list page cost: the statements get() and list()
+    run search the id's unique index or walk the creation index for one page; none scans
+    the table or sorts it (no work that grows with the jobs kept)."""
+    ids = [_job(store, f"p{i}") for i in range(50)]
+    ran: list[str] = []
+    store._db.set_trace_callback(ran.append)  # (the statements, as sqlite runs them)
+    try:
+        store.get(ids[10])
+        store.list(limit=10)
+        store.list(after=ids[20], limit=10, order="asc")
+    finally:
+        store._db.set_trace_callback(None)
+    assert ran
+    with closing(sqlite3.connect(store.db_path)) as db:
+        for sql in ran:
+            plan = " | ".join(row[-1] for row in db.execute(f"EXPLAIN QUERY PLAN {sql}"))
+            assert "TEMP B-TREE" not in plan, (sql, plan)
+            for step in plan.split(" | "):
+                assert not step.startswith("SCAN") or "USING" in step, (sql, plan)
+
+
 def test_a_job_cancelled_while_it_ran_keeps_no_output(store):
     a = _job(store)
     store.start(a)

@@ -197,6 +197,73 @@ def test_submit_decode_failure_after_return_leaves_nothing(tmp_path, vae, latent
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize(("armed", "events"), [("temporary made", 40), ("_open returned", 25)])
+def test_an_interrupt_at_any_point_of_the_hand_off_to_the_pipeline_leaves_nothing(
+    tmp_path, vae, monkeypatch, armed, events
+):
+    """SIGTERM as ``nostall``'s CLI raises it (a BaseException at whatever bytecode the
+    main thread is at; the flaky CLI test's ``.partial``): a KeyboardInterrupt at each of
+    the first trace events (call, line, return) once the sink's temporary exists (its
+    constructor, ``sink_for_path``, ``_open``), then once ``_open`` returned (the hand-off
+    to ``AsyncFramePipeline.submit``). Each time nothing is left; the pipeline goes on."""
+    import sys
+
+    from nostall.video import AsyncFramePipeline, submit_decode
+    from nostall.video import decode as decode_mod
+    from nostall.video.sinks import _AtomicSink
+
+    z = torch.randn(1, 16, 1, 2, 2, generator=torch.Generator().manual_seed(2))  # 1 frame
+    state = {"armed": False, "left": 0, "fired": False}
+    real = _AtomicSink._create_temp
+
+    def create(self, tmp):
+        real(self, tmp)
+        state["armed"] = state["armed"] or armed == "temporary made"
+
+    def tracer(frame, event, arg):
+        if state["armed"]:
+            state["left"] -= 1
+            if state["left"] == 0:
+                state.update(armed=False, fired=True)
+                raise KeyboardInterrupt
+        elif event == "return" and frame.f_code is decode_mod._open.__code__:
+            state["armed"] = armed == "_open returned"
+        return tracer
+
+    monkeypatch.setattr(_AtomicSink, "_create_temp", create)
+    previous = sys.gettrace()  # (a coverage tool's)
+    with AsyncFramePipeline(device="cpu") as pipe:
+        for n in range(1, events + 1):
+            out = tmp_path / str(n)
+            out.mkdir()
+            state.update(armed=False, left=n, fired=False)
+            sys.settrace(tracer)
+            try:
+                submit_decode(vae, z, out / "clip.mp4", pipeline=pipe).result(timeout=60)
+            except KeyboardInterrupt:
+                pass  # (as the CLI's main() does: past the handler, its frames are freed)
+            finally:
+                sys.settrace(previous)
+            assert state["fired"], f"event {n}: the decode ended before the interrupt"
+            assert os.listdir(out) == [], f"interrupted at event {n} after the {armed}"
+        # the pipeline outlived every interrupt
+        submit_decode(vae, z, tmp_path / "after.mp4", pipeline=pipe).result(timeout=60)
+    assert (tmp_path / "after.mp4").stat().st_size > 0
+
+
+def test_submit_to_a_closed_pipeline_aborts_the_sink_it_was_given(tmp_path):
+    from nostall.errors import ClosedError
+    from nostall.video import AsyncFramePipeline
+    from nostall.video.sinks import Mp4Sink
+
+    pipe = AsyncFramePipeline(device="cpu")
+    pipe.close()
+    sink = Mp4Sink(tmp_path / "v.mp4")
+    with pytest.raises(ClosedError):
+        pipe.submit(iter(()), sink)
+    assert sink.closed and os.listdir(tmp_path) == []
+
+
 # ---- an explicit decoder mode that cannot run: recorded, or refused with strict ----------
 
 

@@ -369,6 +369,43 @@ def test_target_that_is_a_folder_is_refused(tmp_path):
     assert os.listdir(tmp_path) == ["clip.mp4"]
 
 
+# --- interrupts and dropped sinks: the temporary never outlives them ---------------------
+
+
+@pytest.mark.parametrize("make", [Mp4Sink, Y4mSink])
+def test_an_interrupt_while_pyav_opens_the_temporary_leaves_nothing(tmp_path, monkeypatch, make):
+    """Ctrl-C (or SIGTERM raised as one, as the CLI does) lands once the temporary exists
+    and before the constructor returns: the sink removes it before the interrupt goes on."""
+
+    def interrupted(*a, **kw):
+        assert [n for n in os.listdir(tmp_path) if n.endswith(".partial")]  # it exists now
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(av, "open", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        make(tmp_path / "clip.mp4" if make is Mp4Sink else tmp_path / "clip.y4m", fps=16)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_sink_dropped_unclosed_removes_its_temporary_when_collected(kind, tmp_path):
+    """An interrupt between a sink's construction and its owner's ``try`` leaves it held by
+    no one: once collected, nothing of it remains. A closed sink's output stays."""
+    import gc
+
+    sink = _make(kind, tmp_path)
+    sink.write(_frames(2))
+    assert len(os.listdir(tmp_path)) == 1  # its temporary
+    del sink
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+    sink = _make(kind, tmp_path)
+    sink.write(_frames(2))
+    sink.close()
+    del sink
+    gc.collect()
+    assert os.listdir(tmp_path) == [KINDS[kind][1]]
+
+
 # --- Y4mSink / NpySink / PngSink / NullSink ----------------------------------------------
 
 
@@ -469,6 +506,20 @@ def test_sink_for_path_existing_folder_without_slash(tmp_path):
     sink = sink_for_path(tmp_path / "out.mp4")
     assert type(sink) is PngSink
     sink.abort()
+
+
+@pytest.mark.parametrize("name", ["out.mp4", "frames/", "frames"])
+def test_check_sink_path_refuses_a_frames_folder_where_one_file_is_wanted(tmp_path, name):
+    """``frames_folder=False`` (a served video job: one MP4): an existing folder, even one
+    named ``out.mp4``, a trailing ``/`` and no suffix all mean PNG frames; refused, naming
+    the path and the fix. A file path passes."""
+    (tmp_path / "out.mp4").mkdir()
+    check_sink_path(str(tmp_path / name))  # PNG frames: fine where a folder may be
+    with pytest.raises(SinkError, match="one video file is written here") as e:
+        check_sink_path(str(tmp_path / name), frames_folder=False)
+    assert e.value.path == str(tmp_path / name) and "remove or rename" in str(e.value)
+    check_sink_path(str(tmp_path / "clip.mp4"), frames_folder=False)
+    assert os.listdir(tmp_path) == ["out.mp4"]
 
 
 def test_sink_for_path_devnull_and_errors(tmp_path):

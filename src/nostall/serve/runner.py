@@ -296,7 +296,11 @@ class Runner:
         thread finishes the MP4 (``info["written"]``, a future of its
         :class:`~nostall.video.DecodeResult`) while the next job starts. ``progress``
         (``job.progress``, called with the steps and frames done) counts both."""
-        from nostall.video import AsyncFramePipeline, denormalize, submit_decode
+        from nostall.video import AsyncFramePipeline, check_sink_path, denormalize, submit_decode
+
+        # Before a step is spent: the output is one file. A folder at its path (a stale
+        # `<id>.mp4/`) would take PNG frames (sink_for_path's rule) and "complete" the job.
+        check_sink_path(job.path, fps=job.fps, frames_folder=False)
 
         def step_end(pipe: Any, i: int, t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
             if job.cancel.is_set():

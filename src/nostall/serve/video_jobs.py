@@ -20,7 +20,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from nostall.errors import ArgumentError, Cancelled, NostallError, ShuttingDown
+from nostall.errors import ArgumentError, Cancelled, NostallError, ShuttingDown, SinkError
 from nostall.serve.bodies import VideoBody, parse
 from nostall.serve.jobs import GenerateJob
 from nostall.serve.video_requests import check_generate, generate_rules
@@ -161,6 +161,9 @@ class VideoJobs:
             try:
                 if not self.store.complete(job.id, info=info):
                     return  # cancelled meanwhile: counted by cancel()
+            except SinkError as e:  # no file under its name: failed, not left in_progress
+                self._settle_error(job, e)
+                return
             except Exception:  # (the store closed under a late writer): said, not raised
                 log.exception("video %s was written but could not be recorded", job.id)
                 return

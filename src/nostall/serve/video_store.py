@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import sqlite3
+import stat
 import threading
 import time
 import uuid
@@ -156,8 +157,8 @@ class VideoStore:
         return self._update(job_id, "progress = max(progress, ?)", (p,), "= 'in_progress'")
 
     def complete(self, job_id: str, *, info: dict | None = None) -> bool:
-        """Mark the job ``completed`` with its output :meth:`path` (which must exist by
-        now: :class:`~nostall.SinkError` otherwise), progress 100 and ``info``; then keep
+        """Mark the job ``completed`` with its output :meth:`path` (which must be a file
+        by now: :class:`~nostall.SinkError` otherwise), progress 100 and ``info``; then keep
         the outputs within ``max_bytes``. ``False`` for a job cancelled or gone
         meanwhile, whose output is removed: nobody will ask for it."""
         text, out = _dumps("info", {} if info is None else info), self.path(job_id)
@@ -169,13 +170,20 @@ class VideoStore:
                     _remove(out)
                 return False
             try:
-                nbytes = os.path.getsize(out)
+                st = os.stat(out)
             except OSError as e:
                 raise SinkError(
                     f"video {job_id} has no output ({e.strerror}): the writer must rename it "
                     "into place before complete()",
                     path=out,
                 ) from e
+            if not stat.S_ISREG(st.st_mode):  # (a folder there took PNG frames, not an MP4)
+                raise SinkError(
+                    f"video {job_id}'s output is not a file (mode {stat.filemode(st.st_mode)}); "
+                    "remove what is there, then submit the job again",
+                    path=out,
+                )
+            nbytes = st.st_size
             with db:
                 db.execute(
                     "UPDATE videos SET status = 'completed', progress = 100, completed_at = ?,"

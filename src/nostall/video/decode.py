@@ -99,12 +99,11 @@ def decode_to_file(
     DecodeResult(path='out.mp4', frames=81, ...)
     """
     _check_pipeline_device(pipeline, devices)
-    sink, chunks, degraded = _open(
+    own = pipeline is None
+    sink, chunks, degraded, total = _open(
         vae, latents, path, mode, devices, strict, fps=fps, preset=preset, crf=crf, threads=threads
     )
-    total = frame_count(int(latents.shape[2]))
-    own = pipeline is None
-    try:
+    try:  # (at once: an interrupt before it leaves the sink to its finalizer)
         with sink:  # an exception aborts the sink: nothing under either name
             if own:
                 kind = SyncFramePipeline if sync else AsyncFramePipeline
@@ -161,11 +160,11 @@ def submit_decode(
             f"for the synchronous baseline"
         )
     _check_pipeline_device(pipeline, devices)
-    sink, chunks, degraded = _open(
+    sink, chunks, degraded, total = _open(
         vae, latents, path, mode, devices, strict, fps=fps, preset=preset, crf=crf, threads=threads
     )
-    total = frame_count(int(latents.shape[2]))
-    # The worker checks the count before it closes the sink (see AsyncFramePipeline.submit).
+    # The pipeline owns the sink from the call on (it aborts it on any failure); the worker
+    # checks the count before it closes the sink (see AsyncFramePipeline.submit).
     done = pipeline.submit(chunks, sink, progress=progress, frames=total)
     result: Future[DecodeResult] = Future()
     result.set_running_or_notify_cancel()
@@ -203,19 +202,22 @@ def _open(
     devices: Sequence[str | torch.device] | None,
     strict: bool,
     **options: Any,
-) -> tuple[FrameSink, Iterator[torch.Tensor], tuple[str, ...]]:
-    """The sink, the (not yet started) chunk generator and the mode's fallbacks, everything
-    checked first."""
-    sink = sink_for_path(path, **options)  # checks path and options before creating a file
+) -> tuple[FrameSink, Iterator[torch.Tensor], tuple[str, ...], int]:
+    """The sink, the (not yet started) chunk generator, the mode's fallbacks and the frames
+    the latents make, everything checked first. The sink is the caller's once this returns
+    (an interrupt before its ``try`` leaves the sink to its finalizer)."""
+    sink = None
     try:
+        sink = sink_for_path(path, **options)  # checks path and options before creating a file
         # Checks the VAE and latents now and decodes lazily. The NaN check waits for the
         # GPU; the sink is opened before it so that, back to back, little host work sits
         # between the previous video's last kernel and this one's first.
         check_one_video(latents)
         chunks, degraded = open_chunks(vae, latents, mode=mode, devices=devices, strict=strict)
-        return sink, chunks, degraded
+        return sink, chunks, degraded, frame_count(int(latents.shape[2]))
     except BaseException:
-        sink.abort()
+        if sink is not None:
+            sink.abort()
         raise
 
 

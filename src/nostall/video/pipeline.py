@@ -375,17 +375,21 @@ class AsyncFramePipeline(_PipelineBase):
         ...             for i, z in enumerate(latents)]
         ...     stats = [f.result() for f in done]
         """
-        self._check_open()
-        if frames is not None and (isinstance(frames, bool) or not isinstance(frames, int)):
-            raise ArgumentError(f"frames must be an int or None, got {frames!r}")
-        run = _Run(sink, FrameStats(mode="async"), frames)
-        run.future = Future()
-        run.future.set_running_or_notify_cancel()
-        try:
+        run = None
+        try:  # first: the sink is ours from the call on, whatever is raised (Ctrl-C too)
+            self._check_open()
+            if frames is not None and (isinstance(frames, bool) or not isinstance(frames, int)):
+                raise ArgumentError(f"frames must be an int or None, got {frames!r}")
+            run = _Run(sink, FrameStats(mode="async"), frames)
+            run.future = Future()
+            run.future.set_running_or_notify_cancel()
             self._produce(run, chunks, progress)
             self._put(_Close(run))
         except BaseException:
-            self._abandon(run)
+            if run is not None:
+                # (the worker is done with the sink once this returns: a _Close queued
+                # runs before _abandon's _Finish, so two threads never use the sink)
+                self._abandon(run)
             sink.abort()
             raise
         return run.future
@@ -552,6 +556,12 @@ class AsyncFramePipeline(_PipelineBase):
         if future is None:  # submit() sets it before it queues the _Close
             raise InternalError("a frame pipeline run reached its close without a future")
         got, expected = run.stats.frames, run.expected
+        if run.error is None and run.cancel.is_set():  # submit() raised after queueing this
+            run.error = SinkError(
+                "the caller abandoned this video (submit() was interrupted); the output "
+                "was discarded, not finished",
+                path=run.sink.path,
+            )
         if run.error is None and expected is not None and got != expected:
             # Checked before close(): a short video must never appear under its final name.
             run.error = SinkError(

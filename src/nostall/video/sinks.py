@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import errno
+import logging
 import math
 import os
 import secrets
 import shutil
 import struct
+import weakref
 from fractions import Fraction
 from types import ModuleType, TracebackType
 from typing import Any
@@ -40,6 +43,8 @@ __all__ = [
     "check_sink_path",
     "sink_for_path",
 ]
+
+log = logging.getLogger(__name__)
 
 _OPEN, _FAILED, _CLOSED, _ABORTED = "open", "failed", "closed", "aborted"
 
@@ -152,8 +157,8 @@ class FrameSink(abc.ABC):
         except self._io_errors() as e:
             self._state = _FAILED
             raise SinkError(
-                f"writing frames {first}..{first + t - 1} failed: {e}. Free space or fix the "
-                f"device, then call abort() to remove the partial output",
+                f"writing frames {first}..{first + t - 1} failed: {e}; {_fix_for(e)}. The "
+                f"sink takes only abort() now, which removes the partial output",
                 path=self.path,
             ) from e
         except BaseException:
@@ -186,7 +191,7 @@ class FrameSink(abc.ABC):
             self._state = _FAILED
             self.abort()
             raise SinkError(
-                f"finishing the output failed: {e}; the partial output was removed",
+                f"finishing the output failed: {e}; {_fix_for(e)}. The partial output was removed",
                 path=self.path,
             ) from e
         except BaseException:
@@ -305,7 +310,14 @@ class NullSink(FrameSink):
 
 
 class _AtomicSink(FrameSink):
-    """Writes to ``.{name}.{random}.partial`` beside ``path``; ``os.replace`` on close."""
+    """Writes to ``.{name}.{random}.partial`` beside ``path``; ``os.replace`` on close.
+
+    No exception leaves the temporary behind, Ctrl-C (or SIGTERM raised as one, as
+    ``nostall``'s CLI does) included: one raised while the sink is built removes it,
+    and a sink dropped before anyone held it (an interrupt between its construction and
+    its owner's ``try``) removes it when collected (a finalizer, detached once the
+    output is renamed into place or discarded).
+    """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         super().__init__()
@@ -315,17 +327,31 @@ class _AtomicSink(FrameSink):
         name = os.path.basename(os.path.abspath(self._path))
         for _ in range(16):
             tmp = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.partial")
+            self._tmp = tmp
+            # Registered before the file exists, so no instant of its life goes without.
+            # atexit=False: at exit, AsyncFramePipeline still finishes submitted videos.
+            self._finalizer = weakref.finalize(self, _remove_temporary, tmp)
+            self._finalizer.atexit = False
             try:
                 self._create_temp(tmp)
-            except FileExistsError:
+            except FileExistsError:  # (another sink's name: O_EXCL left it alone)
+                self._finalizer.detach()
                 continue
             except OSError as e:
+                self._finalizer.detach()
                 raise SinkError(
                     f"cannot create a temporary output in {folder!r}: {e}; check that the "
                     f"folder is writable and has free space",
                     path=self._path,
                 ) from e
-            self._tmp = tmp
+            except BaseException:  # an interrupt, maybe once the file was made
+                self._finalizer()
+                raise
+            try:
+                self._open_temp()
+            except BaseException:
+                self._discard()
+                raise
             return
         raise SinkError(f"could not find a free temporary name in {folder!r}", path=self._path)
 
@@ -363,12 +389,16 @@ class _AtomicSink(FrameSink):
         # Exclusive create reserves the name; subclasses reopen it.
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
 
+    def _open_temp(self) -> None:
+        """Open what writes the temporary, once it exists (an exception discards it)."""
+
     def _remove_temp(self) -> None:
         os.unlink(self._tmp)
 
     def _finish(self) -> None:
         self._finish_temp()
         os.replace(self._tmp, self._path)
+        self._finalizer.detach()
 
     def _discard(self) -> None:
         # The temporary is deleted next, so errors while closing it are moot.
@@ -383,6 +413,7 @@ class _AtomicSink(FrameSink):
                 f"could not remove the temporary output {self._tmp!r}: {e}; delete it by hand",
                 path=self._path,
             ) from e
+        self._finalizer.detach()
 
     @abc.abstractmethod
     def _finish_temp(self) -> None:
@@ -519,6 +550,29 @@ class PngSink(_AtomicSink):
         pass
 
 
+def _fix_for(e: BaseException) -> str:
+    """What to do about the OS error ``e`` that stopped a write (a SinkError's advice)."""
+    code = getattr(e, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return "the disk (or the user's quota) is full: free space there, or write elsewhere"
+    if code == errno.EFBIG:
+        return "the file outgrew what its file system (or RLIMIT_FSIZE) allows: write elsewhere"
+    return "free space or fix the device, or write elsewhere"
+
+
+def _remove_temporary(tmp: str) -> None:
+    """A dropped sink's finalizer: remove its temporary file or folder, if still there."""
+    try:
+        if os.path.isdir(tmp) and not os.path.islink(tmp):
+            shutil.rmtree(tmp)
+        else:
+            os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # (a finalizer cannot raise: said instead)
+        log.warning("could not remove the temporary output %r: %s; delete it by hand", tmp, e)
+
+
 def _import_av(who: str) -> ModuleType:
     try:
         import av
@@ -547,12 +601,13 @@ class _AvSink(_AtomicSink):
         self._av = self._check_codec(path)
         self._container: Any = None
         self._stream: Any = None
-        super().__init__(path)
+        super().__init__(path)  # (its last step: the temporary made, then _open_temp)
+
+    def _open_temp(self) -> None:
         try:
             self._container = self._av.open(self._tmp, "w", format=self._format)
         except (OSError, self._av.FFmpegError) as e:
-            self._discard()
-            raise SinkError(f"cannot open {self._tmp!r} for writing: {e}", path=path) from e
+            raise SinkError(f"cannot open {self._tmp!r} for writing: {e}", path=self._path) from e
 
     @classmethod
     def _check_codec(cls, path: str | os.PathLike[str]) -> ModuleType:
@@ -651,7 +706,7 @@ class Mp4Sink(_AvSink):
         self._preset = preset
         self._crf = crf
         self._threads = threads
-        super().__init__(path, fps=fps)
+        _import_av(type(self).__name__)
         from av.video.reformatter import ColorRange, Colorspace
 
         self._yuv = {
@@ -659,6 +714,7 @@ class Mp4Sink(_AvSink):
             "dst_colorspace": Colorspace.ITU709,
             "dst_color_range": ColorRange.MPEG,
         }
+        super().__init__(path, fps=fps)  # last: it makes the temporary
 
     def _check_size(self, height: int, width: int) -> None:
         if height % 2 or width % 2:
@@ -754,12 +810,15 @@ def check_sink_path(
     preset: str = "veryfast",
     crf: float = 23,
     threads: int = 0,
+    frames_folder: bool = True,
 ) -> None:
     """Raise :class:`SinkError` where :func:`sink_for_path` would; create nothing.
 
     Checks the suffix, the folder, what is already at ``path``, ``fps`` and, for mp4,
     ``preset``/``crf``/``threads`` and the encoder, so a caller can refuse a bad output
-    before loading a model or decoding anything.
+    before loading a model or decoding anything. ``frames_folder=False`` also refuses a
+    path :func:`sink_for_path` would fill with PNG frames (an existing folder, even one
+    named ``clip.mp4``; a trailing ``/``; no suffix): for a caller that wants one file.
 
     Example::
 
@@ -770,6 +829,13 @@ def check_sink_path(
     raw = os.fspath(path)
     _check_fps(fps, raw)
     kind = _sink_class(raw)
+    if kind is PngSink and not frames_folder:
+        what = "is a folder" if os.path.isdir(raw) else "names a folder ('/' or no suffix)"
+        raise SinkError(
+            f"{what}, which would receive PNG frames, but one video file is written here: "
+            "remove or rename the folder, or give a file path (.mp4, .npy, .y4m)",
+            path=raw,
+        )
     if kind is Mp4Sink:
         _check_x264(preset, crf, threads, raw)
     if issubclass(kind, _AvSink):
