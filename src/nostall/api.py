@@ -111,6 +111,10 @@ def load_model(
     linear weights stay e4m3 with their scales, and compute by upcasting per call
     (:mod:`nostall.quant.modules`); ``dtype`` casts only the other tensors.
 
+    Process-wide effect: the cyclic garbage collector is paused while the headers, the
+    module and its parameters are made (not during the reads), as
+    :func:`~nostall.assemble.gc_paused` says.
+
     >>> import nostall, torch
     >>> vae = nostall.load_model("sdxl/vae", device="cuda", dtype=torch.float16)  # doctest: +SKIP
 
@@ -144,44 +148,50 @@ def load_model_with_stats(
         adopt,
         as_stored_dtypes,
         build_empty,
+        gc_paused,
         resolve_model_class,
         target_dtypes,
     )
 
-    path = local_source(path)
-    ckpt = resolve(path, variant=variant)
-    folder = ckpt.folder or os.path.dirname(os.path.abspath(ckpt.files[0].path))
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise CheckpointError(
-            "no config.json beside the weights, so the module cannot be built; pass the "
-            "component folder (config.json + weights)",
-            path=folder,
-        )
-    cls = model_cls or resolve_model_class(folder)
-    t0 = time.perf_counter()
-    module = build_empty(cls, folder, dtype=dtype)
-    build_s = time.perf_counter() - t0
-    # Per-tensor dtypes: the library's own from_pretrained keeps some modules in fp32.
-    if dtype is not None:
-        casts = target_dtypes(module, dtype)
-    else:  # as stored, but what diffusers keeps in float32 (as_stored_dtypes)
-        casts = as_stored_dtypes(module, {e.name: e.dtype for _, e in ckpt.entries()})
-    fp8 = {e.name for _, e in ckpt.entries() if e.dtype.startswith("F8")}
-    if casts and fp8:
-        # FP8 weights stay FP8 (a plain cast would drop their scales)
-        casts = {k: v for k, v in casts.items() if k not in fp8}
+    # Paused while the Python objects are made (headers, module, parameters), not across
+    # the reads, which allocate little and may take minutes from object storage: what
+    # they make is not garbage yet, so collecting only costs time (see gc_paused).
+    with gc_paused():
+        path = local_source(path)
+        ckpt = resolve(path, variant=variant)
+        folder = ckpt.folder or os.path.dirname(os.path.abspath(ckpt.files[0].path))
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            raise CheckpointError(
+                "no config.json beside the weights, so the module cannot be built; pass the "
+                "component folder (config.json + weights)",
+                path=folder,
+            )
+        cls = model_cls or resolve_model_class(folder)
+        t0 = time.perf_counter()
+        module = build_empty(cls, folder, dtype=dtype)
+        build_s = time.perf_counter() - t0
+        # Per-tensor dtypes: the library's own from_pretrained keeps some modules in fp32.
+        if dtype is not None:
+            casts = target_dtypes(module, dtype)
+        else:  # as stored, but what diffusers keeps in float32 (as_stored_dtypes)
+            casts = as_stored_dtypes(module, {e.name: e.dtype for _, e in ckpt.entries()})
+        fp8 = {e.name for _, e in ckpt.entries() if e.dtype.startswith("F8")}
+        if casts and fp8:
+            # FP8 weights stay FP8 (a plain cast would drop their scales)
+            casts = {k: v for k, v in casts.items() if k not in fp8}
     result = (loader or default_loader()).load(ckpt, device=device, dtype=casts, pool=pool)
-    t0 = time.perf_counter()
-    tensors, scales = result.tensors, {}
-    if fp8:
-        from nostall.quant.modules import install_fp8, prepare_fp8
+    with gc_paused():
+        t0 = time.perf_counter()
+        tensors, scales = result.tensors, {}
+        if fp8:
+            from nostall.quant.modules import install_fp8, prepare_fp8
 
-        metadata = {k: v for f in ckpt.files for k, v in f.metadata.items()}
-        tensors, scales = prepare_fp8(tensors, metadata, path=folder)
-    module = adopt(module, tensors, strict=strict, path=folder)
-    if scales:
-        install_fp8(module, scales, path=folder)
-    build_s += time.perf_counter() - t0
+            metadata = {k: v for f in ckpt.files for k, v in f.metadata.items()}
+            tensors, scales = prepare_fp8(tensors, metadata, path=folder)
+        module = adopt(module, tensors, strict=strict, path=folder)
+        if scales:
+            install_fp8(module, scales, path=folder)
+        build_s += time.perf_counter() - t0
     stats = dataclasses.replace(
         result.stats, build_s=build_s, total_s=result.stats.total_s + build_s
     )

@@ -249,3 +249,37 @@ def test_flat_cuda_buffer(saved_models: dict[str, Saved]) -> None:
         expected = saved.spec.output(reference(**inputs))
         actual = saved.spec.output(module(**inputs))
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+class _Recorder(nn.Linear):
+    """A layer whose train() does more than set its flag (transformers' models do)."""
+
+    def __init__(self) -> None:
+        super().__init__(2, 2)
+        self.modes: list[bool] = []
+
+    def train(self, mode: bool = True) -> _Recorder:
+        self.modes.append(mode)
+        return super().train(mode)
+
+
+class _Tree(nn.Module):
+    def __init__(self, recorder: bool) -> None:
+        super().__init__()
+        self.first = nn.Sequential(
+            nn.Linear(2, 2), nn.ReLU(), _Recorder() if recorder else nn.Linear(2, 2)
+        )
+        self.shared = self.first  # a module under two names
+        self.head = nn.Linear(2, 2)
+
+
+@pytest.mark.parametrize("recorder", [False, True], ids=["plain", "overridden-train"])
+def test_adopted_modules_are_all_in_eval_mode(recorder: bool) -> None:
+    module = build_empty(_Tree, {"recorder": recorder})
+    assert all(m.training for m in module.modules())
+    tensors = {k: torch.randn(v.shape) for k, v in module.state_dict().items()}
+    assert adopt(module, tensors) is module
+    assert all(not m.training for m in module.modules())
+    if recorder:
+        # Its own train() ran, as Module.eval() would run it.
+        assert module.first[2].modes and not any(module.first[2].modes)

@@ -237,3 +237,43 @@ def test_other_threads_build_real_modules_meanwhile() -> None:
 def test_missing_config_folder_raises(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=re.escape("no config.json")):
         build_empty(diffusers.AutoencoderKL, tmp_path)
+
+
+class _Strided(nn.Module):
+    """Parameters of several dtypes and layouts, a flag, and a tagged attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plain = nn.Parameter(torch.randn(3, 5))
+        self.transposed = nn.Parameter(torch.randn(5, 3).t())
+        self.low = nn.Parameter(torch.randn(4).half(), requires_grad=False)
+        self.plain.tag = "kept"
+
+
+def test_meta_parameters_keep_dtype_shape_strides_and_attributes() -> None:
+    real = _Strided()
+    module = build_empty(_Strided, {})
+    for name, param in module.named_parameters():
+        ref = getattr(real, name).detach().to("meta")
+        assert param.is_meta and type(param) is nn.Parameter, name
+        assert (param.dtype, param.shape, param.stride()) == (ref.dtype, ref.shape, ref.stride())
+        assert param.requires_grad == getattr(real, name).requires_grad, name
+        assert param._is_hf_initialized, name
+    assert module.plain.tag == "kept"
+
+
+def test_gc_paused_restores_the_collector_as_found() -> None:
+    from nostall.assemble import gc_paused
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), gc_paused():
+        assert not gc.isenabled()
+        raise RuntimeError
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # a caller's own pause is left alone
+    finally:
+        gc.enable()

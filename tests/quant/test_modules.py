@@ -248,3 +248,63 @@ def test_torchao_layouts_nostall_does_not_read_are_typed_errors(encoders, tmp_pa
     with pytest.raises(CheckpointError, match=says) as e:
         nostall.load_model(dst)
     assert e.value.tensor
+
+
+# ---- install_fp8 on module trees -------------------------------------------------------
+
+
+class _Twice(nn.Module):
+    """One linear layer under two names, beside one of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(16, 16))
+        self.second = self.first  # named_modules() lists it as "first" only
+        self.own = nn.Linear(16, 16)
+
+
+def _fp8_weights(module: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    scales = {}
+    for name in names:
+        owner = module.get_submodule(name.rpartition(".")[0])
+        owner.weight = nn.Parameter(owner.weight.detach().to(torch.float8_e4m3fn), False)
+        scales[name] = torch.ones(16)
+    return scales
+
+
+@pytest.mark.parametrize("names", [["first.0.weight", "own.weight"], ["second.0.weight"]])
+def test_fp8_layers_are_found_under_any_of_their_names(names):
+    module = _Twice()
+    assert modules_mod.install_fp8(module, _fp8_weights(module, names)) == len(names)
+    for name in names:
+        owner = module.get_submodule(name.rpartition(".")[0])
+        assert type(owner).__name__ == "FP8Linear" and owner.weight_scale.shape == (16,)
+    assert isinstance(module.own, nn.Linear)
+    assert module.own(torch.randn(2, 16)).shape == (2, 16)
+
+
+def test_a_scale_for_a_layer_the_module_lacks_raises_as_get_submodule_does():
+    module = _Twice()
+    with pytest.raises(AttributeError, match="no attribute `missing`"):
+        modules_mod.install_fp8(module, {"missing.weight": torch.ones(16)})
+
+
+class _Kept(nn.Module):
+    _keep_in_fp32_modules = ("from_class",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(2, 2)
+        self.inner._keep_in_fp32_modules = ["from_instance"]
+        self.computed = _Computed()
+
+
+class _Computed(nn.Module):
+    @property
+    def _keep_in_fp32_modules(self) -> list[str]:
+        return ["from_property"]
+
+
+def test_keep_in_fp32_reads_class_instance_and_property_declarations():
+    assert modules_mod.keep_in_fp32(_Kept()) == ("from_class", "from_instance", "from_property")
+    assert modules_mod.keep_in_fp32(nn.Sequential(nn.Linear(2, 2))) == ()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from nostall.assemble.adopt import adopt
 from nostall.assemble.dtypes import as_stored_dtypes, target_dtypes
-from nostall.assemble.meta import build_empty, empty_parameters
+from nostall.assemble.meta import build_empty, empty_parameters, gc_paused
 from nostall.assemble.resolve import read_config, resolve_model_class
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "as_stored_dtypes",
     "build_empty",
     "empty_parameters",
+    "gc_paused",
     "read_config",
     "resolve_model_class",
     "target_dtypes",

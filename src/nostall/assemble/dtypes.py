@@ -95,6 +95,8 @@ def as_stored_dtypes(module: nn.Module, stored: Mapping[str, str]) -> dict[str, 
     if library_of(type(module)) != "diffusers":
         return None
     keep = set(_names(module, "_keep_in_fp32_modules"))
+    if not keep:  # FLUX: nothing to look for in its 1654 names
+        return None
     out = {
         name: torch.float32
         for name, d in stored.items()

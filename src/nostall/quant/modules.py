@@ -18,7 +18,7 @@ same bits. Which one ran is said once in the log.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn as nn
@@ -131,10 +131,23 @@ def keep_in_fp32(module: nn.Module) -> tuple[str, ...]:
     """The model's ``_keep_in_fp32_modules`` (transformers and diffusers declare them):
     layers whose callers read their weight's dtype or need its precision (T5's ``wo``:
     its feed-forward casts activations to ``wo.weight.dtype``)."""
+    return _declared_fp32(module.modules())
+
+
+def _declared_fp32(modules: Iterable[nn.Module]) -> tuple[str, ...]:
     found: list[str] = []
-    for sub in module.modules():
-        found.extend(getattr(sub, "_keep_in_fp32_modules", None) or ())
+    for sub in modules:
+        found.extend(_own_attribute(sub, "_keep_in_fp32_modules") or ())
     return tuple(sorted(set(found)))
+
+
+def _own_attribute(sub: nn.Module, attr: str) -> object:
+    # getattr(sub, attr, None) without falling back on Module.__getattr__ (parameters,
+    # buffers, submodules): raising its AttributeError for each of FLUX's ~1300 modules
+    # that lack the attribute cost 4 ms.
+    if hasattr(type(sub), attr) or attr in sub.__dict__:
+        return getattr(sub, attr, None)
+    return None
 
 
 def _kept(name: str, patterns: tuple[str, ...]) -> bool:
@@ -166,12 +179,18 @@ def install_fp8(
     may still be in flight). A scale on anything but an ``nn.Linear`` weight is a
     :class:`~nostall.CheckpointError`.
     """
-    kept_patterns = keep_in_fp32(module)
+    # One walk for all the layers: a get_submodule per weight cost FLUX's 494 layers
+    # 12 ms. A name the walk does not list (a second name of a shared layer, or none)
+    # is left to get_submodule, which finds it or raises as before.
+    submodules = dict(module.named_modules())
+    kept_patterns = _declared_fp32(submodules.values())  # keep_in_fp32(), same walk
     owners: list[nn.Linear] = []
     kept: list[tuple[str, nn.Linear, torch.Tensor]] = []
     for name, scale in scales.items():
         owner_name, _, attr = name.rpartition(".")
-        owner = module.get_submodule(owner_name) if owner_name else module
+        owner = submodules.get(owner_name)
+        if owner is None:
+            owner = module.get_submodule(owner_name)
         if attr != "weight" or not isinstance(owner, nn.Linear):
             raise CheckpointError(
                 f"FP8 tensor {name!r} is not a linear layer's weight "

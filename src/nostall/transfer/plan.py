@@ -215,28 +215,75 @@ class LoadPlan:
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """The tensors as views of the flat target buffer (``uint8``, ``target_bytes`` long)."""
         out: dict[str, torch.Tensor] = {}
+        typed = _TypedViews(flat)
         for s in self.slots:
             if s.numel == 0:
                 out[s.name] = torch.empty(s.shape, dtype=s.target, device=flat.device)
                 continue
-            raw = flat[s.offset : s.offset + s.target_bytes]
-            out[s.name] = raw.view(s.target).view(s.shape)
+            out[s.name] = typed.view(s.offset, s.target_bytes, s.target, s.shape)
         return out
 
     def source_views(self, host: torch.Tensor) -> dict[str, torch.Tensor]:
         """The tensors in their file dtypes as views of host memory in the host layout."""
         out: dict[str, torch.Tensor] = {}
+        typed = _TypedViews(host)
         for s in self.slots:
             n = s.end - s.begin
             if n == 0:
                 out[s.name] = torch.empty(s.shape, dtype=s.source)
                 continue
             start = self.host_base[s.file] + s.begin
-            raw = host[start : start + n]
             if start % s.source.itemsize:
-                raw = raw.clone()
-            out[s.name] = raw.view(s.source).view(s.shape)
+                out[s.name] = host[start : start + n].clone().view(s.source).view(s.shape)
+            else:
+                out[s.name] = typed.view(start, n, s.source, s.shape)
         return out
+
+
+class _TypedViews:
+    """Typed, shaped views of a flat ``uint8`` tensor at byte offsets.
+
+    One ``as_strided`` per tensor on a per-dtype reinterpretation of the whole buffer,
+    instead of a slice, a dtype view and a shape view: the same tensors (storage,
+    address, shape, contiguous strides) in a third of the dispatcher calls. The views of
+    FLUX's 1654 FP8 tensors took 11 ms instead of 19 (a shared 2-core machine), and on a
+    GPU load they hold the GIL that the reader threads wait for. Offsets the dtype
+    cannot start at take the three calls, which raise as they did.
+    """
+
+    def __init__(self, flat: torch.Tensor):
+        self.flat = flat
+        self._base = flat.storage_offset()
+        self._typed: dict[torch.dtype, torch.Tensor | None] = {}
+
+    def _reinterpreted(self, dtype: torch.dtype) -> torch.Tensor | None:
+        if dtype not in self._typed:
+            size = dtype.itemsize
+            whole = self.flat.numel() - self.flat.numel() % size
+            ok = self._base % size == 0 and whole > 0 and self.flat.is_contiguous()
+            self._typed[dtype] = self.flat[:whole].view(dtype) if ok else None
+        return self._typed[dtype]
+
+    def view(
+        self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """``flat[offset : offset + nbytes]`` as a contiguous ``dtype`` tensor of ``shape``."""
+        size = dtype.itemsize
+        strides, numel = [], 1
+        for d in reversed(shape):
+            strides.append(numel)
+            numel *= d
+        typed = self._reinterpreted(dtype)
+        # as_strided checks only the storage's bounds; the buffer's own are checked here,
+        # and anything the three calls would refuse takes them.
+        if (
+            typed is None
+            or offset % size
+            or numel * size != nbytes
+            or offset + nbytes > self.flat.numel()
+        ):
+            return self.flat[offset : offset + nbytes].view(dtype).view(shape)
+        return typed.as_strided(shape, strides[::-1], (self._base + offset) // size)
 
 
 def _requested(dtype: torch.dtype | Mapping[str, torch.dtype] | None) -> list[torch.dtype]:
