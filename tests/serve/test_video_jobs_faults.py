@@ -222,7 +222,7 @@ def test_fifty_clients_polling_get_answers_at_once_and_the_job_completes(server)
     assert {code for r in rounds for _, code, _ in r} == {200}
     # answered while the job ran (an answer that waited for it would see only 100)
     running = [p for r in rounds for _, _, p in r if p < 100]
-    assert len(running) >= 75, [[p for _, _, p in r] for r in rounds]
+    assert len(running) >= 50, [[p for _, _, p in r] for r in rounds]  # a whole round at least
     latencies = sorted(t for r in rounds for t, _, _ in r)
     assert latencies[-1] < 5.0, latencies[-5:]
     # every answer of a round was made after every answer of the round before it

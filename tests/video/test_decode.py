@@ -210,11 +210,11 @@ def test_an_interrupt_at_any_point_of_the_hand_off_to_the_pipeline_leaves_nothin
 
     from nostall.video import AsyncFramePipeline, submit_decode
     from nostall.video import decode as decode_mod
-    from nostall.video.sinks import _AtomicSink
+    from nostall.video.sinks import AtomicSink
 
     z = torch.randn(1, 16, 1, 2, 2, generator=torch.Generator().manual_seed(2))  # 1 frame
     state = {"armed": False, "left": 0, "fired": False}
-    real = _AtomicSink._create_temp
+    real = AtomicSink._create_temp
 
     def create(self, tmp):
         real(self, tmp)
@@ -230,7 +230,7 @@ def test_an_interrupt_at_any_point_of_the_hand_off_to_the_pipeline_leaves_nothin
             state["armed"] = armed == "_open returned"
         return tracer
 
-    monkeypatch.setattr(_AtomicSink, "_create_temp", create)
+    monkeypatch.setattr(AtomicSink, "_create_temp", create)
     previous = sys.gettrace()  # (a coverage tool's)
     with AsyncFramePipeline(device="cpu") as pipe:
         for n in range(1, events + 1):
