@@ -50,6 +50,7 @@ class FrameSink(abc.ABC):
     Example (``close`` keeps the output, ``abort`` leaves nothing)::
 
         >>> import tempfile
+        >>> from nostall.video.sinks import NpySink
         >>> with tempfile.TemporaryDirectory() as tmp:
         ...     kept, dropped = NpySink(f"{tmp}/kept.npy"), NpySink(f"{tmp}/dropped.npy")
         ...     for sink in (kept, dropped):
