@@ -366,22 +366,4 @@ def adopt(
                 buf = moved[id(slot.tensor)] = slot.tensor.to(target)
             slot.owner._buffers[slot.attr] = buf
 
-    return _eval(module)
-
-
-def _eval(module: nn.Module) -> nn.Module:
-    """``module.eval()``; for a tree whose modules all keep ``Module``'s own ``train``
-    and ``__setattr__``, by setting each ``training`` flag directly, which is all that
-    ``train(False)`` does there: its recursion, through ``Module.__setattr__`` once per
-    module, cost FLUX's ~1300 modules 6 ms."""
-    subs = list(module.modules())
-    if type(module).eval is not _EVAL or any(
-        type(sub).train is not _TRAIN or type(sub).__setattr__ is not _SETATTR for sub in subs
-    ):
-        return module.eval()  # transformers' models, for one, override train()
-    for sub in subs:
-        object.__setattr__(sub, "training", False)
-    return module
-
-
-_EVAL, _TRAIN, _SETATTR = nn.Module.eval, nn.Module.train, nn.Module.__setattr__
+    return module.eval()
