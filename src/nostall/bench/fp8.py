@@ -198,16 +198,23 @@ class _Fp8Bench:
                 with open(os.path.join(folder, f), "rb") as fh:
                     while fh.read(64 << 20):
                         pass
-            times = []
+            times, phases = [], []
             with Loader() as loader:
                 for _ in range(repeat):
                     sync(dev)
                     t = time.perf_counter()
-                    m, _ = load_model_with_stats(folder, device=dev, loader=loader)
+                    m, stats = load_model_with_stats(folder, device=dev, loader=loader)
                     sync(dev)
                     times.append(time.perf_counter() - t)
+                    phases.append(stats)
                     del m
             out["page_cache_load_s"][name] = statistics.median(times)
+            # Where a load's time goes (the median run's phases): the fixed part (headers,
+            # the module built on meta, adoption) against the bytes' part.
+            mid = phases[times.index(statistics.median_low(times))]
+            out.setdefault("page_cache_phases_s", {})[name] = {
+                k: getattr(mid, k) for k in ("read_s", "h2d_s", "build_s", "total_s")
+            }
             hits = []
             with PinnedPool(int(nbytes * 1.1) + (64 << 20)) as pool, Loader() as loader:
                 load_model_with_stats(folder, device=dev, loader=loader, pool=pool)  # fills it
