@@ -75,13 +75,13 @@ def check(
         if not name.endswith(SCALE_SUFFIX):
             continue
         weight = name[: -len(SCALE_SUFFIX)]
-        with safe_open(converted[weight], framework="pt") as f:
-            q = f.get_tensor(weight)
+        with safe_open(converted[weight][0], framework="pt") as f:
+            q = f.get_tensor(converted[weight][1])
             if q.dtype != torch.float8_e4m3fn:
                 continue
-            scale = f.get_tensor(name)
-        with safe_open(original[weight], framework="pt") as f:
-            w = f.get_tensor(weight)
+            scale = f.get_tensor(converted[name][1])
+        with safe_open(original[weight][0], framework="pt") as f:
+            w = f.get_tensor(original[weight][1])
         ref = nn.Linear(w.shape[1], w.shape[0], bias=False, device=dev, dtype=dtype)
         ref.weight.data.copy_(w)
         layer = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
@@ -98,8 +98,9 @@ def _default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _tensor_files(ckpt) -> dict[str, str]:
-    return {e.name: ckpt.files[i].path for i, e in ckpt.entries()}
+def _tensor_files(ckpt) -> dict[str, tuple[str, str]]:
+    """Each tensor's ``(file, key in it)``, by the name it is read under."""
+    return {e.name: (ckpt.files[i].path, e.key) for i, e in ckpt.entries()}
 
 
 def _output_check(src, dst, seed: int, dev: torch.device, dtype: torch.dtype):

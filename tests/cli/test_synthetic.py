@@ -37,6 +37,8 @@ def test_synthetic_writes_a_store_the_other_commands_take(tmp_path):
         (["--size", "full", "--pipeline", "wan22"], "'wan22' is not one of flux, flux-b, "
          "sdxl, sd3, wan-1.3b, wan-14b, wan22-a14b"),
         (["--elsewhere", "transformer_2"], "'transformer_2' is not ROLE=DIR"),
+        (["--layout", "gguf"], "'gguf' is not one of diffusers, comfy"),
+        (["--pipeline", "sdxl", "--layout", "comfy"], "add a Wan --pipeline"),
         (["--elsewhere", "vae=/x"], "only full-size weights go elsewhere; add --size full"),
         (["--size", "full", "--elsewhere", "vae=/a", "--elsewhere", "vae=/b"],
          "'vae' is given twice"),
@@ -48,6 +50,20 @@ def test_bad_synthetic_options_are_usage_errors(tmp_path, args, says):
     result = runner.invoke(app, ["synthetic", str(tmp_path / "store"), *args])
     usage_error(result, says)
     assert not (tmp_path / "store").exists()
+
+
+def test_comfy_layout_writes_wan_as_the_community_ships_it_and_it_is_served(tmp_path):
+    store = tmp_path / "store"
+    result = runner.invoke(app, ["synthetic", str(store), "--pipeline", "wan", "--layout", "comfy"])
+    assert result.exit_code == 0, result.output
+    assert "wan-comfy:" in result.output
+    files = sorted(p.name for p in (store / "wan-comfy" / "transformer").iterdir())
+    assert files == ["config.json", "wan_transformer_fp8_scaled.safetensors"]
+    assert (store / "wan-comfy" / "vae").is_symlink()
+    switched = runner.invoke(
+        app, ["switch", "--models", str(store), "--device", "cpu", "wan-comfy"]
+    )
+    assert switched.exit_code == 0, switched.output
 
 
 def test_a_file_is_not_a_store(tmp_path):

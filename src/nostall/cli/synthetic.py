@@ -11,6 +11,7 @@ from nostall.cli.app import app, check_choices, console, device_option, usage_er
 __all__ = ["synthetic"]
 
 _SIZES = ("tiny", "full")
+_LAYOUTS = ("diffusers", "comfy")
 
 
 def _elsewhere(values: list[str] | None, size: str) -> dict[str, str]:
@@ -73,6 +74,13 @@ def synthetic(
     device: str = device_option(
         "Where full-size weights are drawn (default: cuda when available)."
     ),
+    layout: str = typer.Option(
+        "diffusers",
+        "--layout",
+        help="diffusers (save_pretrained's folders) or comfy: also write each Wan pipeline "
+        "as <name>-comfy, its transformers as the community's single files (ComfyUI's scaled "
+        "FP8, the original Wan key names, beside diffusers' config.json), the rest linked.",
+    ),
     overwrite: bool = typer.Option(
         False,
         "--overwrite",
@@ -86,6 +94,7 @@ def synthetic(
     from nostall.synthetic import PIPELINES, write_store
 
     check_choices([size], _SIZES, "--size")
+    check_choices([layout], _LAYOUTS, "--layout")
     away = _elsewhere(elsewhere, size)
     if size == "tiny":
         names = check_choices(pipeline or PIPELINES, PIPELINES, "--pipeline")
@@ -93,6 +102,13 @@ def synthetic(
         from nostall.synthetic.full import FULL_PIPELINES, write_full_store
 
         names = check_choices(pipeline or ("flux", "sdxl"), FULL_PIPELINES, "--pipeline")
+    wan = [n for n in names if n.startswith("wan")]
+    if layout == "comfy" and not wan:
+        raise typer.BadParameter(
+            "--layout comfy writes Wan pipelines' transformers as ComfyUI files; add a Wan "
+            "--pipeline (wan when tiny; wan-1.3b, wan-14b or wan22-a14b when full)",
+            param_hint="--layout",
+        )
     if os.path.lexists(folder) and not os.path.isdir(folder):
         raise typer.BadParameter(
             f"{folder!r} exists and is not a folder; a store is a folder of pipeline folders",
@@ -115,6 +131,13 @@ def synthetic(
             paths = write_full_store(
                 folder, names, device=device, progress=progress, elsewhere=away
             )
+    if layout == "comfy":
+        from nostall.synthetic.comfy import comfy_pipeline
+
+        with usage_errors():
+            for name in wan:
+                progress(f"{name}-comfy: the transformers as ComfyUI scaled-FP8 files")
+                paths[f"{name}-comfy"] = comfy_pipeline(paths[name], paths[name] + "-comfy")
     for name, path in paths.items():
         console.print(f"{name}: {path} ({_folder_bytes(path) / 1e6:.1f} MB)", highlight=False)
     first = next(iter(paths))

@@ -449,7 +449,7 @@ def _convert_file(
         raise ReadError(f"cannot open: {e.strerror or e}", path=f.path) from e
     with reader as src, StreamWriter(out_path, entries, meta) as w:
         for e, quantized in plan:
-            t = src.get_tensor(e.name)
+            t = src.get_tensor(e.key)  # its name in the file
             if t.is_floating_point():
                 _check_finite(t, f.path, e.name, quantized)
             if quantized:

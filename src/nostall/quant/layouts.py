@@ -4,9 +4,10 @@ nostall's form (what :func:`nostall.quantize` writes, and what
 :func:`nostall.quant.modules.split_fp8` takes): ``<name>`` in ``float8_e4m3fn`` beside
 ``<name>_scale`` (float32, one value per output row or one per tensor).
 
-* The community's scaled-FP8 files (ComfyUI and others) already use that form, with one
-  scale per tensor, a ``scaled_fp8`` marker tensor and ``input_scale`` tensors
-  (dropped by ``split_fp8``).
+* The community's scaled-FP8 files use that form with one scale per tensor, a
+  ``scaled_fp8`` marker tensor and ``input_scale`` tensors (dropped by ``split_fp8``);
+  ComfyUI's own names (``scale_weight``, ``scale_input``, and a model's original key
+  names) are read under these by the store (:mod:`nostall.store.names`).
 * torchao's flattened tensor state dict (``torchao.prototype.safetensors``, what
   diffusers and transformers save for a ``quantize_``d model) stores a ``Float8Tensor``
   weight ``<module>.<attr>`` as ``<module>._<attr>_qdata`` and ``<module>._<attr>_scale``

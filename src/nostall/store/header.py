@@ -57,6 +57,8 @@ class TensorEntry:
         shape: the tensor's shape; ``()`` for a scalar.
         begin: offset of its first byte, counted from the start of the *file*.
         end: offset one past its last byte, counted from the start of the file.
+        stored: the tensor's key in the file, where it is read under another name
+            (:mod:`nostall.store.names`); ``None`` when ``name`` is that key.
     """
 
     name: str
@@ -64,6 +66,12 @@ class TensorEntry:
     shape: tuple[int, ...]
     begin: int
     end: int
+    stored: str | None = None
+
+    @property
+    def key(self) -> str:
+        """The tensor's key in the file (what ``safetensors.safe_open`` reads it by)."""
+        return self.stored or self.name
 
     @property
     def nbytes(self) -> int:

@@ -1,7 +1,7 @@
 """Resolve what a user points at into the safetensors files that make it up.
 
-Three shapes of checkpoint exist in the wild, and all stay in their standard
-layout (no conversion step):
+Three shapes of checkpoint exist in the wild, and all stay as they are on disk (no
+conversion step):
 
 * one ``.safetensors`` file;
 * a sharded checkpoint: ``*.safetensors.index.json`` whose ``weight_map`` names,
@@ -14,6 +14,10 @@ layout (no conversion step):
 A sharded variant's index is ``<stem>.safetensors.index.<variant>.json`` with shards
 ``<stem>.<variant>-00001-of-00002.safetensors``: both libraries' ``_add_variant``
 put the variant before the last suffix (diffusers 0.42, transformers 5.24).
+
+A component folder whose file uses the model's original key names (the community's Wan
+single files, ComfyUI's scaled FP8) is read under the diffusers class's names:
+:mod:`nostall.store.names`.
 """
 
 from __future__ import annotations
@@ -52,11 +56,14 @@ class Checkpoint:
         source: what the user passed (file, index or folder).
         files: the safetensors files, each with its validated header, in a stable order.
         folder: the component folder holding ``config.json``, when there is one.
+        layout: the names the files were read in: ``"diffusers"``, or what
+            :func:`~nostall.store.names.diffusers_names` renamed from.
     """
 
     source: str
     files: tuple[FileIndex, ...]
     folder: str | None = None
+    layout: str = "diffusers"
 
     @property
     def nbytes(self) -> int:
@@ -116,7 +123,11 @@ def resolve(
         )
     if source.endswith(".json"):
         return Checkpoint(source, _resolve_index(source, allow_outside), folder=None)
-    return Checkpoint(source, (read_header(source),), folder=None)
+    from nostall.store.names import diffusers_names
+
+    # A file beside its config.json is read under the config's class's names too.
+    files, layout = diffusers_names((read_header(source),), os.path.dirname(source) or ".")
+    return Checkpoint(source, files, folder=None, layout=layout)
 
 
 def _resolve_folder(folder: str, variant: str | None, allow_outside: bool) -> Checkpoint:
@@ -127,10 +138,10 @@ def _resolve_folder(folder: str, variant: str | None, allow_outside: bool) -> Ch
         for name in _index_names(stem, variant):
             index = os.path.join(folder, name)
             if os.path.exists(index):
-                return Checkpoint(folder, _resolve_index(index, allow_outside), folder=folder)
+                return _component(folder, _resolve_index(index, allow_outside))
         single = os.path.join(folder, stem + suffix)
         if _present(single):
-            return Checkpoint(folder, (read_header(single),), folder=folder)
+            return _component(folder, (read_header(single),))
     try:
         listing = os.listdir(folder)
     except OSError as e:
@@ -148,7 +159,7 @@ def _resolve_folder(folder: str, variant: str | None, allow_outside: bool) -> Ch
         }
     )
     if len(others) == 1 and variant is None:
-        return Checkpoint(folder, (read_header(os.path.join(folder, others[0])),), folder=folder)
+        return _component(folder, (read_header(os.path.join(folder, others[0])),))
     wanted = " or ".join(s + suffix for s in _STEMS)
     index = _index_names("<stem>", variant)[0]
     found = f"; it holds {', '.join(others)}" if others else ""
@@ -157,6 +168,14 @@ def _resolve_folder(folder: str, variant: str | None, allow_outside: bool) -> Ch
         "or the right variant=",
         path=folder,
     )
+
+
+def _component(folder: str, files: tuple[FileIndex, ...]) -> Checkpoint:
+    """A component folder's checkpoint, its entries under the diffusers class's names."""
+    from nostall.store.names import diffusers_names
+
+    files, layout = diffusers_names(files, folder)
+    return Checkpoint(folder, files, folder=folder, layout=layout)
 
 
 def _resolve_index(index_path: str, allow_outside: bool) -> tuple[FileIndex, ...]:
