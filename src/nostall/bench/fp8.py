@@ -186,47 +186,61 @@ class _Fp8Bench:
     # ---- loads -----------------------------------------------------------------------
 
     def loads(self) -> dict:
+        """bf16 and FP8 loads interleaved (bf16, FP8, bf16, ...: this machine's speed
+        drifts within a run), medians: from the page cache, from a filled pinned pool
+        (``load_model``), and switches into resident memory."""
         from nostall.api import load_model_with_stats
         from nostall.memory.pool import PinnedPool
         from nostall.transfer.loader import Loader
 
         dev, repeat = self.dev, self.repeat
+        folders = {"bf16": self.src, "fp8": self.dst}
         out: dict = {"page_cache_load_s": {}, "memory_hit_s": {}, "switch_hit_s": {}}
-        for name, folder in (("bf16", self.src), ("fp8", self.dst)):
-            nbytes = safetensors_bytes(folder)
+        for folder in folders.values():
             for f in os.listdir(folder):  # into the page cache
                 with open(os.path.join(folder, f), "rb") as fh:
                     while fh.read(64 << 20):
                         pass
-            times, phases = [], []
+
+        def timed(folder, **kw):
+            sync(dev)
+            t = time.perf_counter()
+            m, stats = load_model_with_stats(folder, device=dev, **kw)
+            sync(dev)
+            took = time.perf_counter() - t
+            del m
+            return took, stats
+
+        page: dict[str, list] = {name: [] for name in folders}
+        hits: dict[str, list] = {name: [] for name in folders}
+        with Loader() as loader:
+            for _ in range(repeat):
+                for name, folder in folders.items():
+                    page[name].append(timed(folder, loader=loader))
+        pools = {
+            n: PinnedPool(int(safetensors_bytes(f) * 1.1) + (64 << 20)) for n, f in folders.items()
+        }
+        try:
             with Loader() as loader:
+                for name, folder in folders.items():  # fills its pool
+                    load_model_with_stats(folder, device=dev, loader=loader, pool=pools[name])
                 for _ in range(repeat):
-                    sync(dev)
-                    t = time.perf_counter()
-                    m, stats = load_model_with_stats(folder, device=dev, loader=loader)
-                    sync(dev)
-                    times.append(time.perf_counter() - t)
-                    phases.append(stats)
-                    del m
-            out["page_cache_load_s"][name] = statistics.median(times)
-            # Where a load's time goes (the median run's phases): the fixed part (headers,
-            # the module built on meta, adoption) against the bytes' part.
-            mid = phases[times.index(statistics.median_low(times))]
-            out.setdefault("page_cache_phases_s", {})[name] = {
-                k: getattr(mid, k) for k in ("read_s", "h2d_s", "build_s", "total_s")
-            }
-            hits = []
-            with PinnedPool(int(nbytes * 1.1) + (64 << 20)) as pool, Loader() as loader:
-                load_model_with_stats(folder, device=dev, loader=loader, pool=pool)  # fills it
-                for _ in range(repeat):
-                    sync(dev)
-                    t = time.perf_counter()
-                    m, _ = load_model_with_stats(folder, device=dev, loader=loader, pool=pool)
-                    sync(dev)
-                    hits.append(time.perf_counter() - t)
-                    del m
-            out["memory_hit_s"][name] = statistics.median(hits)
-            out["switch_hit_s"][name] = _switch_hits(folder, dev, repeat, nbytes)
+                    for name, folder in folders.items():
+                        hits[name].append(timed(folder, loader=loader, pool=pools[name]))
+        finally:
+            for pool in pools.values():
+                pool.close()
+        for name, folder in folders.items():
+            for key, runs in (("page_cache_load", page[name]), ("memory_hit", hits[name])):
+                times = [t for t, _ in runs]
+                out[f"{key}_s"][name] = statistics.median(times)
+                # Where a load's time goes (the median run's phases): reads and copies,
+                # the module built on meta (overlapped with them) and adopted.
+                mid = runs[times.index(statistics.median_low(times))][1]
+                out.setdefault(f"{key.removesuffix('_load')}_phases_s", {})[name] = {
+                    k: getattr(mid, k) for k in ("read_s", "h2d_s", "build_s", "total_s")
+                }
+            out["switch_hit_s"][name] = _switch_hits(folder, dev, repeat, safetensors_bytes(folder))
             self.log(
                 f"  {name}: page-cache load {out['page_cache_load_s'][name]:.3f} s, memory hit "
                 f"{out['memory_hit_s'][name]:.3f} s (load_model), "
