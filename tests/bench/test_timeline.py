@@ -95,3 +95,33 @@ def test_timeline_picture_is_written(tmp_path):
     out = tmp_path / "timeline.png"
     plot_timelines({"decode-only": tr, "async": tr}, str(out), title="t")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_longest_gaps_say_what_the_host_was_doing(tmp_path):
+    tr = _trace(
+        tmp_path,
+        [
+            _x("kernel", "gemm", 0, 100),
+            _x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 100, 400),  # not busy
+            _x("kernel", "norm", 500, 50),
+            _x("gpu_memset", "Memset (Device)", 560, 10),
+            _x("kernel", "conv", 600, 100),
+            _x("cpu_op", "aten::_local_scalar_dense", 120, 300),
+            _x("cuda_runtime", "cudaStreamSynchronize", 130, 280),
+            _x("cpu_op", "aten::conv3d", 575, 20),
+        ],
+    )
+    a, b = tr.whole()
+    gaps = tr.gaps(a, b)
+    assert [(g["at_ms"], g["ms"], g["after"], g["before"]) for g in gaps] == [
+        (0.1, 0.4, "gemm", "norm"),
+        (0.57, 0.03, "Memset (Device)", "conv"),
+        (0.55, 0.01, "norm", "Memset (Device)"),
+    ]
+    assert gaps[0]["host"] == [
+        "aten::_local_scalar_dense (0.30 ms)",
+        "cudaStreamSynchronize (0.28 ms)",
+    ]
+    assert gaps[1]["host"] == ["aten::conv3d (0.02 ms)"]
+    assert sum(g["ms"] for g in gaps) == pytest.approx((b - a) * (1 - tr.busy(a, b)) / 1e3)
+    assert tr.gaps(a, b, top=1) == gaps[:1]

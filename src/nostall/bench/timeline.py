@@ -35,6 +35,10 @@ class Trace:
     chunks: dict[int, tuple[float, float]]  # chunk → GPU span
     device_ops: list[tuple[float, float]] = field(default_factory=list)  # DtoD memcpy, memset
     cpu_chunks: dict[int, tuple[float, float]] = field(default_factory=dict)  # chunk → CPU range
+    # (start, end, name): the device events busy() counts (kernels, DtoD copies, memsets), and the host's
+    # runtime calls and operators, to say what the host was doing while the device idled.
+    device_named: list[tuple[float, float, str]] = field(default_factory=list)
+    host_named: list[tuple[float, float, str]] = field(default_factory=list)
 
     def utilisation(self, start: float, end: float) -> float:
         """Fraction of ``[start, end)`` covered by kernels."""
@@ -56,6 +60,40 @@ class Trace:
             raise ArgumentError("the trace has no nostall.chunk.0 range to anchor the log to")
         t0 = self.cpu_chunks[0][0]
         self.writes = sorted(self.writes + [(t0 + a * 1e6, t0 + b * 1e6) for _, a, b in chunk_log])
+
+    def gaps(self, start: float, end: float, *, top: int = 8) -> list[dict]:
+        """The ``top`` longest stretches of ``[start, end)`` with nothing on the device,
+        longest first: when (ms from ``start``), how long (ms), the device events on
+        either side, and the host's longest runtime calls and operators inside it."""
+        events = sorted(e for e in self.device_named if e[1] > start and e[0] < end)
+        found = []
+        reach, before = start, None
+        for a, b, name in events:
+            if a > reach and before is not None:
+                found.append((a - reach, reach, a, before, name))
+            if b > reach:
+                reach, before = b, name
+        found.sort(reverse=True)
+        out = []
+        for length, a, b, prev, nxt in found[:top]:
+            inside = sorted(
+                (
+                    (min(hb, b) - max(ha, a), n)
+                    for ha, hb, n in self.host_named
+                    if hb > a and ha < b
+                ),
+                reverse=True,
+            )
+            out.append(
+                {
+                    "at_ms": (a - start) / 1e3,
+                    "ms": length / 1e3,
+                    "after": prev,
+                    "before": nxt,
+                    "host": [f"{n} ({d / 1e3:.2f} ms)" for d, n in inside[:4]],
+                }
+            )
+        return out
 
     def whole(self) -> tuple[float, float]:
         return min(a for a, _ in self.kernels), max(b for _, b in self.kernels)
@@ -93,6 +131,8 @@ def load_trace(path: str) -> Trace:
         doc = json.load(f)
     events = doc["traceEvents"] if isinstance(doc, dict) else doc
     kernels, copies, writes, chunks, device_ops = [], [], [], {}, []
+    device_named: list[tuple[float, float, str]] = []
+    host_named: list[tuple[float, float, str]] = []
     cpu_chunks: dict[int, tuple[float, float]] = {}
     launches: dict[int, float] = {}  # correlation id -> CPU launch timestamp
     pending: list[tuple[int, float, float]] = []
@@ -102,6 +142,10 @@ def load_trace(path: str) -> Trace:
         cat, name = e.get("cat", ""), e.get("name", "")
         a = float(e.get("ts", 0))
         b = a + float(e.get("dur", 0))
+        if cat in ("kernel", "gpu_memset") or (cat == "gpu_memcpy" and "DtoD" in name):
+            device_named.append((a, b, name))  # what busy() counts
+        elif cat in ("cuda_runtime", "cpu_op", "user_annotation", "python_function"):
+            host_named.append((a, b, name))
         if cat == "kernel":
             kernels.append((a, b))
             corr = e.get("args", {}).get("correlation")
@@ -138,7 +182,7 @@ def load_trace(path: str) -> Trace:
                     s[0], s[1] = min(s[0], a), max(s[1], b)
                     break
         chunks = {k: (v[0], v[1]) for k, v in spans.items()}
-    return Trace(kernels, copies, writes, chunks, device_ops, cpu_chunks)
+    return Trace(kernels, copies, writes, chunks, device_ops, cpu_chunks, device_named, host_named)
 
 
 def plot_timelines(traces: dict[str, Trace], path: str, *, title: str) -> None:

@@ -337,6 +337,10 @@ def _busy(url: str, body: dict, work: str, figures: str) -> dict[str, Any]:
         "kernel_share": tr.utilisation(a, b),
         "busy_share": tr.busy(a, b),
         "kernels": len(tr.kernels),
+        # Where the rest of the span went: the longest idle stretches, with what the host
+        # was doing meanwhile (the profiler's own launch overhead is in them too).
+        "idle_ms": (b - a) / 1e3 * (1 - tr.busy(a, b)),
+        "longest_gaps": tr.gaps(a, b),
         "timeline_png": png,
     }
 
