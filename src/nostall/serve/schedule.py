@@ -27,6 +27,19 @@ pipeline; when a batch finishes (:meth:`Scheduler.done`), the push-back it cause
 rescaled to its measured seconds, so the bound holds on measured time up to the
 misestimate of the one batch in flight.
 
+**Deadlines.** A request may carry a ``deadline`` (same clock as ``arrived``; a service
+sets it from the request's SLO). When :meth:`Scheduler.next` is told the time (``now``)
+and a queued request has one, the choice is earliest-deadline-first with each batch's
+switch in its estimate, within the same bound:
+
+4. Of the admissible batches that can still finish by their members' earliest deadline
+   (``now`` + the batch's estimate, its switch included), the most urgent runs, unless
+   a resident batch fits before it: one that leaves the urgent batch still on time runs
+   first (the switch it saves is time for everyone). With no batch that can still make
+   its deadline, the rule above decides (the late ones are served in arrival order, not
+   chased). :meth:`Scheduler.admit` says whether a new request would meet its deadline
+   in that order, and when to retry if not.
+
 >>> s = Scheduler(Policy(batch=2, overtake=1), run_s=1.0, switch_s=5.0)
 >>> for i, p in enumerate(["flux", "sdxl", "flux", "flux"]):
 ...     s.add(Request(i, p, "512x512", arrived=float(i)))
@@ -93,13 +106,15 @@ class Request:
     resident to run it without a switch; ``shape``: requests of one pipeline and equal
     shape can share a pipeline call; ``arrived``: enqueue time (seconds, any clock);
     ``work``: its cost in the caller's units (estimated seconds = work × the pipeline's
-    measured seconds per unit)."""
+    measured seconds per unit); ``deadline``: when it should be done (same clock as
+    ``arrived``), ``None`` for none."""
 
     id: Hashable
     pipeline: str
     shape: Hashable
     arrived: float
     work: float = 1.0
+    deadline: float | None = None
 
 
 @dataclass
@@ -162,6 +177,8 @@ class Scheduler:
             raise ArgumentError(f"request id {request.id!r} is queued already")
         if not (math.isfinite(request.work) and request.work >= 0):
             raise ArgumentError(f"work={request.work!r} must be a finite number >= 0")
+        if request.deadline is not None and not math.isfinite(request.deadline):
+            raise ArgumentError(f"deadline={request.deadline!r} must be a finite time or None")
         w = _Waiting(request, self._seq)
         self._seq += 1
         bisect.insort(self._queue, w, key=lambda x: x.order)
@@ -194,21 +211,23 @@ class Scheduler:
 
     # ---- choosing ------------------------------------------------------------------
 
-    def peek(self, resident: Collection[str]) -> list[Request]:
+    def peek(self, resident: Collection[str], *, now: float | None = None) -> list[Request]:
         """What :meth:`next` would return now, leaving the queue as it is."""
         if not self._queue:
             return []
-        choice = self._choose(self._queue, set(resident))
+        choice = self._choose(self._queue, set(resident), now)
         return [self._queue[i].request for i in choice.members]
 
-    def next(self, resident: Collection[str]) -> list[Request]:
+    def next(self, resident: Collection[str], *, now: float | None = None) -> list[Request]:
         """Take the next batch off the queue (empty when nothing is queued): requests of
         one pipeline and shape, oldest first. ``resident``: the pipelines a run would not
-        have to switch to. Call :meth:`done` when it has run."""
+        have to switch to; ``now``: the time the batch would start (same clock as the
+        requests'), which makes the choice heed their deadlines. Call :meth:`done` when
+        it has run."""
         if not self._queue:
             return []
         resident = set(resident)
-        choice = self._choose(self._queue, resident)
+        choice = self._choose(self._queue, resident, now)
         lead = self._queue[choice.members[0]].request
         pushed: dict[Hashable, float] = {}
         for i, (passed, s) in choice.charges.items():
@@ -268,34 +287,87 @@ class Scheduler:
         return s
 
     def estimated_wait(
-        self, position: int, resident: Collection[str], *, busy_s: float = 0.0
+        self,
+        position: int,
+        resident: Collection[str],
+        *,
+        busy_s: float = 0.0,
+        now: float | None = None,
     ) -> float:
         """Estimated seconds until ``position`` more queued requests have started, in the
         order this scheduler would run them (``position`` 0: ``busy_s``, what is left of
-        the batch running now). A pipeline switched to is assumed to stay resident."""
+        the batch running now; ``now``: as for :meth:`next`). A pipeline switched to is
+        assumed to stay resident."""
         if position < 0:
             raise ArgumentError(f"position={position!r} must be >= 0")
-        queue = [_Waiting(w.request, w.seq, w.overtaken, w.delay) for w in self._queue]
-        resident = set(resident)
         t, started = max(0.0, busy_s), 0
-        while started < position and queue:
-            choice = self._choose(queue, resident)
-            for i, (passed, s) in choice.charges.items():
-                queue[i].overtaken += passed
-                queue[i].delay += s
-            resident.add(queue[choice.members[0]].request.pipeline)
-            started += len(choice.members)
-            t += choice.seconds
-            taken = set(choice.members)
-            queue = [w for i, w in enumerate(queue) if i not in taken]
+        for batch, _, end in self._plan(self._queue, resident, t, now):
+            if started >= position:
+                break
+            started, t = started + len(batch), end
         return t
+
+    def plan(
+        self, resident: Collection[str], *, busy_s: float = 0.0, now: float | None = None
+    ) -> list[tuple[list[Request], float, float]]:
+        """The whole queue as this scheduler would run it if nothing else arrived and the
+        estimates held: ``(batch, start, end)``, seconds from now (``busy_s``: what is
+        left of the batch running now)."""
+        return list(self._plan(self._queue, resident, max(0.0, busy_s), now))
+
+    def admit(
+        self,
+        request: Request,
+        resident: Collection[str],
+        *,
+        now: float,
+        busy_s: float = 0.0,
+    ) -> float | None:
+        """Whether ``request`` (not queued yet) would meet its deadline if queued now, in
+        the order :meth:`next` would run it: ``None`` if so (or it has none), else the
+        seconds after which a retry could (how late it would finish now: the work ahead
+        of it shrinks by about that much meanwhile)."""
+        if request.deadline is None:
+            return None
+        if request.id in self._ids:
+            raise ArgumentError(f"request id {request.id!r} is queued already")
+        w = _Waiting(request, self._seq)
+        queue = sorted([*self._queue, w], key=lambda x: x.order)
+        for batch, _, end in self._plan(queue, resident, max(0.0, busy_s), now):
+            if any(r.id == request.id for r in batch):
+                late = now + end - request.deadline
+                return None if late <= 1e-9 else late
+        raise AssertionError("a queued request is in the plan")  # pragma: no cover
 
     # ---- internals -----------------------------------------------------------------
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else self.alpha * new + (1.0 - self.alpha) * old
 
-    def _choose(self, queue: list[_Waiting], resident: set[str]) -> _Choice:
+    def _plan(self, queue: list[_Waiting], resident: Collection[str], t: float, now):
+        """``(batch of requests, start, end)`` for all of ``queue`` (copied: the charges
+        are simulated, not kept), from ``t`` seconds ahead."""
+        queue = [_Waiting(w.request, w.seq, w.overtaken, w.delay) for w in queue]
+        resident = set(resident)
+        while queue:
+            choice = self._choose(queue, resident, None if now is None else now + t)
+            for i, (passed, s) in choice.charges.items():
+                queue[i].overtaken += passed
+                queue[i].delay += s
+            batch = [queue[i].request for i in choice.members]
+            resident.add(batch[0].pipeline)
+            yield batch, t, t + choice.seconds
+            t += choice.seconds
+            taken = set(choice.members)
+            queue = [w for i, w in enumerate(queue) if i not in taken]
+
+    def _choose(
+        self, queue: list[_Waiting], resident: set[str], now: float | None = None
+    ) -> _Choice:
+        if now is not None and any(w.request.deadline is not None for w in queue):
+            urgent = self._by_deadline(queue, resident, now)
+            if urgent is not None:
+                return urgent
         head: _Choice | None = None
         seen: set[tuple[str, Hashable]] = set()
         for i, w in enumerate(queue):
@@ -314,6 +386,46 @@ class Scheduler:
             head = choice  # i == 0: overtakes nobody, so always admissible
         assert head is not None, "the oldest request's batch is always admissible"
         return head
+
+    def _by_deadline(self, queue: list[_Waiting], resident: set[str], now: float) -> _Choice | None:
+        """Rule 4: the most urgent admissible batch that can still make its deadline, or a
+        resident one that fits before it; ``None`` when no batch can make its deadline."""
+        on_time: list[tuple[float, int, _Choice, bool]] = []
+        seen: set[tuple[str, Hashable]] = set()
+        for i, w in enumerate(queue):
+            # Any request with a deadline may lead a batch of its group (the ones after
+            # it ride along); of those without, the group's oldest.
+            key = (w.request.pipeline, w.request.shape)
+            if w.request.deadline is None and key in seen:
+                continue
+            seen.add(key)
+            is_resident = w.request.pipeline in resident
+            choice = self._grow(queue, i, is_resident)
+            if choice is None:
+                continue
+            due = min(
+                (
+                    queue[m].request.deadline
+                    for m in choice.members
+                    if queue[m].request.deadline is not None
+                ),
+                default=math.inf,
+            )
+            if now + choice.seconds <= due + 1e-9:
+                on_time.append((due, i, choice, is_resident))
+        urgent = min(((d, i) for d, i, c, r in on_time if d < math.inf), default=None)
+        if urgent is None:
+            return None
+        due, lead = urgent
+        first = next(c for d, i, c, r in on_time if i == lead)
+        fits = [
+            (d, i, c)
+            for d, i, c, r in on_time
+            if r and i != lead and now + c.seconds + first.seconds <= due + 1e-9
+        ]
+        if fits and not any(r for d, i, c, r in on_time if i == lead):
+            return min(fits, key=lambda x: (x[0], x[1]))[2]
+        return first
 
     def _grow(self, queue: list[_Waiting], lead: int, is_resident: bool) -> _Choice | None:
         """The batch led by ``queue[lead]``, grown with its group's next members while it
@@ -340,8 +452,8 @@ class Scheduler:
     def _charge(self, queue: list[_Waiting], members: list[int], switch: float) -> _Choice | None:
         """What running ``members`` (ascending indexes; ``switch``: seconds to switch to
         them first) would charge each request it overtakes; ``None`` if that breaks the
-        policy for one of them. Only a resident group overtakes (:meth:`_choose`), so
-        ``switch`` adds to the batch's estimate, never to a charge."""
+        policy for one of them. Under rule 1-3 only a resident group overtakes, whose
+        ``switch`` is 0; a batch chosen by deadline charges its switch too."""
         runs = [
             self.run_estimate(queue[m].request.pipeline, queue[m].request.work) for m in members
         ]
@@ -353,6 +465,7 @@ class Scheduler:
                 continue
             passed = sum(1 for m in members if m > i)
             s = sum(run for m, run in zip(members, runs, strict=True) if m > i)
+            s += switch if members[0] > i else 0.0  # the switch was the leader's to make
             w = queue[i]
             if w.overtaken + passed > k or w.delay + s > t + 1e-9:
                 return None
