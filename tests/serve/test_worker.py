@@ -63,10 +63,12 @@ def gate(monkeypatch):
 
     event = threading.Event()
     event.ran, event.calls, event.started = [], [], threading.Event()
+    event.seeds = []
     image, generate = runner_mod.Runner._image, runner_mod.Runner._generate
 
     def gated(self, job, start):
         event.ran.append(job.model)
+        event.seeds.append(job.seed)
         if not event.started.is_set():
             event.started.set()
             assert event.wait(60)
@@ -360,3 +362,42 @@ def test_a_shutdown_that_cannot_wait_closes_the_cache_once_the_running_job_ends(
     _wait_for(lambda: w.closed, "the rest closed after it", 30)
     claims = w.budget.status()["claims"]
     assert "model cache" not in claims and "LoRA base copies" not in claims
+
+
+@pytest.mark.parametrize(
+    ("slo", "says"),
+    [(0, "slo_ms: 0"), (-5.0, "slo_ms: -5.0"), (math.inf, "slo_ms: inf"), (1e12, "slo_ms: ")],
+)
+def test_a_bad_slo_is_refused_naming_the_field(worker, slo, says):
+    from nostall.errors import ArgumentError
+
+    w = worker()
+    with pytest.raises(ArgumentError, match=says) as e:
+        w.image_job(_body(slo_ms=slo))
+    assert e.value.field == "slo_ms"
+    with pytest.raises(ArgumentError, match="slo_ms"):
+        w.image_job(_body(slo_ms="100"))  # a string is not milliseconds
+    assert w.image_job(_body(slo_ms=250)).slo_s == 0.25
+
+
+def test_a_request_whose_slo_cannot_be_met_is_refused_and_one_that_can_goes_first(worker, gate):
+    w = worker(max_queue=8)
+    first, _ = _submit(w, seed=1)  # measured: the estimates are this machine's from now on
+    assert gate.started.wait(60)
+    gate.set()
+    first.result(120)
+    gate.clear()
+    gate.started.clear()
+    blocker, _ = _submit(w, seed=2)
+    assert gate.started.wait(60)
+    plain = [_submit(w, seed=s) for s in (3, 4, 5)]
+    # an hour is far enough to be met, close enough to go before the jobs without an SLO
+    urgent, _ = _submit(w, seed=6, slo_ms=3.6e6)
+    with pytest.raises(QueueFull, match=r"after its slo_ms \(1 ms\)") as e:
+        _submit(w, seed=7, slo_ms=1)
+    assert e.value.retry_after > 0
+    assert len(w.status()["queue"]) == 4  # the refused one was never queued
+    gate.set()
+    for f, _ in [(blocker, None), *plain, (urgent, None)]:
+        f.result(120)
+    assert gate.seeds == [1, 2, 6, 3, 4, 5]

@@ -78,6 +78,7 @@ class ImageBody(BaseModel):
     max_sequence_length: int | None = None
     loras: list[LoraRef] | None = None
     controlnet: ControlRef | None = None
+    slo_ms: float | None = None  # answer within this, or be refused at once (429)
     response_format: Literal["b64_json", "png"] = "b64_json"
     n: int = 1
     user: str | None = None

@@ -28,6 +28,7 @@ class ImageJob:
     max_sequence_length: int | None = None
     loras: tuple[tuple[str, float], ...] = ()  # fused for this job (name, weight)
     controlnet: tuple[str, Any, float] | None = None  # (name, control image, scale)
+    slo_s: float | None = None  # done within this many seconds of arriving, or refused
 
 
 @dataclass

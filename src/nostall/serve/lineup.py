@@ -2,6 +2,11 @@
 the model cache's residency, batches of like image jobs as one pipeline call, and the
 wait a 429's ``Retry-After`` is estimated from.
 
+A job with an SLO (``slo_s``, from a request's ``slo_ms``) has a deadline: the queue
+runs earliest deadline first within the fairness bound, and :meth:`Lineup.admit` tells
+the worker when a new one could not meet its SLO behind what waits (it is refused at
+once, with how late it would be as the wait).
+
 A :class:`Lineup` keeps no lock: the worker calls it under its queue's lock, except
 :meth:`Lineup.resident`, which asks the model cache and is called outside that lock
 (the cache's lock may be held for seconds while it allocates its device tier).
@@ -64,7 +69,24 @@ class Lineup:
         if (key, shape) in self._alone:
             shape = object()
         self._pipelines[key] = (job.model, roles)
-        self.schedule.add(Request(ticket, key, shape, ticket.arrived, work))
+        self.schedule.add(self._request(ticket, key, shape, work))
+
+    def admit(self, ticket: Any) -> float | None:
+        """``None`` when ``ticket`` (not queued yet) would meet its job's SLO
+        (``slo_s``; a job without one always would), else how late it would be: the
+        seconds a client should wait before retrying."""
+        if getattr(ticket.job, "slo_s", None) is None:
+            return None
+        key, shape, work = _terms(ticket.job, self.policy.batch > 1)
+        resident, busy = self._now_resident()
+        return self.schedule.admit(
+            self._request(ticket, key, shape, work), resident, now=time.perf_counter(), busy_s=busy
+        )
+
+    def _request(self, ticket: Any, key: str, shape: Hashable, work: float) -> Request:
+        slo = getattr(ticket.job, "slo_s", None)
+        deadline = None if slo is None else ticket.arrived + slo
+        return Request(ticket, key, shape, ticket.arrived, work, deadline)
 
     @property
     def running(self) -> str | None:
@@ -89,7 +111,7 @@ class Lineup:
                     if t.future.set_running_or_notify_cancel():
                         t.future.set_exception(Cancelled("the client went away"))
         self._resident = set(resident)
-        chosen = self.schedule.next(resident)
+        chosen = self.schedule.next(resident, now=time.perf_counter())
         if not chosen:
             return []
         batch = [r.id for r in chosen]
@@ -110,7 +132,7 @@ class Lineup:
         """The pipeline (model, roles left out) the next batch would switch to, to be
         prefetched; ``None`` when it would run on one of ``resident``, or was named
         already since the running batch began."""
-        batch = self.schedule.peek(resident)
+        batch = self.schedule.peek(resident, now=time.perf_counter())
         if not batch or batch[0].pipeline in resident or batch[0].pipeline == self._predicted:
             return None
         self._predicted = batch[0].pipeline
@@ -135,14 +157,20 @@ class Lineup:
     def retry_after(self) -> float:
         """Estimated seconds until half of the waiting jobs have started: a client told
         to come back then finds room, and the queue has not run dry meanwhile."""
+        resident, busy = self._now_resident()
+        n = len(self.schedule)
+        return self.schedule.estimated_wait(n // 2, resident, busy_s=busy, now=time.perf_counter())
+
+    def _now_resident(self) -> tuple[set[str], float]:
+        """The pipelines resident as last seen (and the running batch's), and the
+        estimated seconds left of that batch."""
         resident = set(self._resident)
         busy = 0.0
         if self._running is not None:
             key, since, estimate = self._running
             resident.add(key)
             busy = max(0.0, estimate - (time.perf_counter() - since))
-        n = len(self.schedule)
-        return self.schedule.estimated_wait(n // 2, resident, busy_s=busy)
+        return resident, busy
 
     # ---- outside the worker's lock -------------------------------------------------
 

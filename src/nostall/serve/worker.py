@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import threading
 import time
@@ -402,6 +403,16 @@ class Worker:
                     f"retry in about {wait:.1f} s",
                     retry_after=wait,
                 )
+            late = self._lineup.admit(ticket)
+            if late is not None:
+                # Its own SLO cannot be met behind what is queued: say so now, not late.
+                self.metrics.rejected.inc()
+                raise QueueFull(
+                    f"this request would finish about {late:.1f} s after its slo_ms "
+                    f"({ticket.job.slo_s * 1e3:.0f} ms) behind the {len(self._queue)} waiting; "
+                    f"retry in about {late:.1f} s, or ask for a longer slo_ms",
+                    retry_after=late,
+                )
             self._queue.append(ticket)
             self._lineup.add(ticket)
             self.metrics.queue_depth.set(len(self._queue))
@@ -445,7 +456,8 @@ class Worker:
                 )
             size = (fields["width"], fields["height"])
             control = check_controlnet(body.controlnet, self.cache.controlnets(), size, self.limits)
-        return ImageJob(model=model, **fields, loras=loras, controlnet=control)
+        slo = _slo_seconds(body.slo_ms)
+        return ImageJob(model=model, **fields, loras=loras, controlnet=control, slo_s=slo)
 
     def video_job(
         self,
@@ -691,3 +703,20 @@ def _without_frames(e: BaseException) -> BaseException:
         x.__traceback__ = None
         x = x.__cause__ or x.__context__
     return e
+
+
+_SLO_MAX_MS = 86_400_000.0  # a day
+
+
+def _slo_seconds(slo_ms: float | None) -> float | None:
+    """A request's ``slo_ms`` as seconds, checked: ``ArgumentError`` naming the field."""
+    if slo_ms is None:
+        return None
+    if not (math.isfinite(slo_ms) and 0 < slo_ms <= _SLO_MAX_MS):
+        raise ArgumentError(
+            f"slo_ms: {slo_ms!r} is not a time to answer within; give milliseconds in "
+            f"(0, {_SLO_MAX_MS:.0f}]",
+            field="slo_ms",
+            allowed=f"(0, {_SLO_MAX_MS:.0f}] ms",
+        )
+    return slo_ms / 1e3
