@@ -167,3 +167,17 @@ def test_without_deadlines_the_time_changes_nothing(case):
         b.add(plain)
     while len(a):
         assert _ids(a.next(resident)) == _ids(b.next(resident, now=7.0))
+
+
+def test_a_switch_is_charged_its_price_now_not_the_average_of_past_ones():
+    s = Scheduler(WIDE, run_s=1.0, switch_s=5.0)
+    s.add(Request("sdxl", "sdxl", "512", arrived=0.0, deadline=3.0))
+    s.add(Request("flux", "flux", "512", arrived=1.0, deadline=100.0))
+    assert s.switch_estimate("sdxl") == 5.0
+    assert _ids(s.peek({"flux"}, now=0.0)) == ["flux"]  # 5 + 1 > 3: sdxl is late anyway
+    s.price({"sdxl": 0.5})  # its bytes wait in the host tier: 0.5 s to move
+    assert s.switch_estimate("sdxl") == 0.5 and s.switch_estimate("sd3") == 5.0
+    assert _ids(s.peek({"flux"}, now=0.0)) == ["flux"]  # 1 + 1.5 <= 3: flux fits first
+    assert _ids(s.peek({"flux"}, now=1.0)) == ["sdxl"]  # no longer: sdxl now
+    s.price({})
+    assert s.switch_estimate("sdxl") == 5.0

@@ -247,6 +247,8 @@ def test_the_wait_estimate_grows_with_the_work_queued(worker, gate):
             queued = []
             gate.set()
             blocker.result(120)
+            # the worker drops the tickets whose clients left when it next takes a batch
+            _wait_for(lambda: not w.status()["queue"], "the cancelled tickets to be dropped")
             gate.clear()
             gate.started.clear()
             blocker, _ = _submit(w, seed=3)

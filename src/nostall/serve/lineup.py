@@ -26,6 +26,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from nostall.errors import ArgumentError, Cancelled, NostallError
+from nostall.serve.prices import SwitchPrices, placement
 from nostall.serve.schedule import Policy, Request, Scheduler
 
 __all__ = ["Lineup"]
@@ -55,6 +56,7 @@ class Lineup:
         self._predicted: str | None = None  # prefetched since the last batch began
         self._resident: set[str] = set()  # as last seen
         self._running: tuple[str, float, float] | None = None  # key, since, estimate
+        self.prices = SwitchPrices()  # the tiers' measured rates
 
     # ---- under the worker's lock ---------------------------------------------------
 
@@ -97,10 +99,15 @@ class Lineup:
         """The queued jobs' pipelines: key → (model, roles left out)."""
         return {k: self._pipelines[k] for k in {r.pipeline for r in self.schedule.requests()}}
 
-    def take(self, queue: deque, resident: set[str]) -> list[Any]:
+    def take(
+        self, queue: deque, resident: set[str], prices: dict[str, float] | None = None
+    ) -> list[Any]:
         """The next batch, out of ``queue`` (the worker's deque of tickets) too. Tickets
         that left the deque (a shutdown failed them) are forgotten; those whose client
-        left are failed with :class:`~nostall.Cancelled` and dropped."""
+        left are failed with :class:`~nostall.Cancelled` and dropped. ``prices``: each
+        wanted pipeline's switch now (:meth:`priced`)."""
+        if prices is not None:
+            self.schedule.price(prices)
         present = set(queue)
         for r in self.schedule.requests():
             t = r.id
@@ -147,6 +154,8 @@ class Lineup:
             return
         switch = results[0].phases.get("switch", 0.0)
         self.schedule.done(seconds, run_s=max(0.0, seconds - switch), switch_s=switch)
+        if results[0].switch:
+            self.prices.observe(results[0].switch)
 
     def alone(self) -> None:
         """The last batch's pipeline and shape run unbatched from now on (that batch ran
@@ -169,10 +178,27 @@ class Lineup:
         if self._running is not None:
             key, since, estimate = self._running
             resident.add(key)
-            busy = max(0.0, estimate - (time.perf_counter() - since))
+            # A batch past its estimate is not done: say a quarter of it is left.
+            busy = max(estimate - (time.perf_counter() - since), 0.25 * estimate)
         return resident, busy
 
     # ---- outside the worker's lock -------------------------------------------------
+
+    def priced(self, wanted: dict[str, tuple[str, tuple[str, ...]]]) -> dict[str, float]:
+        """Each of ``wanted``'s switch price now: its bytes not on the device, by tier,
+        at the rates switches measured (:mod:`nostall.serve.prices`)."""
+        out: dict[str, float] = {}
+        if not wanted:
+            return out
+        where = self._cache.stats().components
+        for key, (model, roles) in wanted.items():
+            try:
+                host, disk = placement(self._cache, model, roles, where=where)
+            except NostallError as e:  # a broken pipeline folder: its switch fails anyway
+                log.debug("placement of %s unknown: %s", model, e)
+                continue
+            out[key] = self.prices.seconds(host=host, disk=disk)
+        return out
 
     def resident(self, wanted: dict[str, tuple[str, tuple[str, ...]]]) -> set[str]:
         """Which of ``wanted`` (:meth:`wanted`) the cache holds on the device now."""

@@ -163,6 +163,7 @@ class Scheduler:
         self._prior_switch = float(switch_s)
         self._rate: dict[str, float] = {}  # pipeline -> seconds per unit of work
         self._switch: dict[str, float] = {}  # pipeline -> seconds of a switch to it
+        self._priced: dict[str, float] = {}  # pipeline -> its switch's price now
         self._queue: list[_Waiting] = []  # arrival order
         self._ids: set[Hashable] = set()
         self._seq = 0
@@ -275,8 +276,18 @@ class Scheduler:
             rate = sum(self._rate.values()) / len(self._rate) if self._rate else self._prior_run
         return rate * work
 
+    def price(self, prices: dict[str, float]) -> None:
+        """Switch prices known now (seconds, by pipeline: from where each one's bytes are
+        and the tiers' measured rates); they take the place of the averages of past
+        switches until the next call."""
+        self._priced = dict(prices)
+
     def switch_estimate(self, pipeline: str) -> float:
-        """Estimated seconds of a switch to ``pipeline`` when it is not resident."""
+        """Estimated seconds of a switch to ``pipeline`` when it is not resident: its
+        price (:meth:`price`), else the average of its past switches."""
+        priced = self._priced.get(pipeline)
+        if priced is not None:
+            return priced
         s = self._switch.get(pipeline)
         if s is None:
             return (

@@ -492,8 +492,9 @@ class Worker:
                     return []
                 wanted = self._lineup.wanted()
             resident = self._lineup.resident(wanted)  # asks the cache: not under our lock
+            prices = self._lineup.priced(wanted)
             with self._cond:
-                batch = self._lineup.take(self._queue, resident)
+                batch = self._lineup.take(self._queue, resident, prices)
                 self.metrics.queue_depth.set(len(self._queue))
                 self._running = batch
                 if batch:  # (else every client left, or a shutdown took the queue)
