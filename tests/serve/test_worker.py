@@ -403,3 +403,27 @@ def test_a_request_whose_slo_cannot_be_met_is_refused_and_one_that_can_goes_firs
     for f, _ in [(blocker, None), *plain, (urgent, None)]:
         f.result(120)
     assert gate.seeds == [1, 2, 6, 3, 4, 5]
+
+
+def test_the_status_tells_a_router_each_models_switch_price_and_the_wait(worker, gate):
+    w = worker(max_queue=8)
+    before = w.status()
+    assert before["switch_s"]["flux"] > 0 and before["queue_by_model"] == {}
+    gate.set()
+    _submit(w, seed=1)[0].result(120)  # flux is on the device now
+    gate.clear()
+    gate.started.clear()
+    first, _ = _submit(w, seed=2)
+    assert gate.started.wait(60)  # held before its switch (none needed)
+    queued = [_submit(w, seed=3), _submit(w, model="sdxl", seed=4), _submit(w, seed=5)]
+    running = w.status()
+    assert running["queue_by_model"] == {"flux": 2, "sdxl": 1}
+    assert running["estimated_wait_s"] > 0
+    assert running["switch_s"]["flux"] == 0.0  # on the device: a switch moves nothing
+    assert running["switch_s"]["sdxl"] > 0
+    assert set(running["tier_rates_gbps"]) == {"host", "disk"}
+    gate.set()
+    for f, _ in [(first, None), *queued]:
+        f.result(120)
+    after = w.status()
+    assert after["estimated_wait_s"] == 0.0 and after["queue_by_model"] == {}

@@ -170,6 +170,12 @@ class Lineup:
         n = len(self.schedule)
         return self.schedule.estimated_wait(n // 2, resident, busy_s=busy, now=time.perf_counter())
 
+    def wait_s(self) -> float:
+        """Estimated seconds until every waiting job has run (what a new one waits)."""
+        resident, busy = self._now_resident()
+        n = len(self.schedule)
+        return self.schedule.estimated_wait(n, resident, busy_s=busy, now=time.perf_counter())
+
     def _now_resident(self) -> tuple[set[str], float]:
         """The pipelines resident as last seen (and the running batch's), and the
         estimated seconds left of that batch."""

@@ -34,7 +34,7 @@ import math
 import os
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -59,6 +59,7 @@ from nostall.serve.budget import DeviceBudget, is_out_of_memory, unfit, video_on
 from nostall.serve.config import WorkerConfig
 from nostall.serve.jobs import GenerateJob, ImageJob, VideoJob, activation_key
 from nostall.serve.lineup import Lineup
+from nostall.serve.prices import placement
 from nostall.serve.requests import (
     Limits,
     RuleBook,
@@ -635,6 +636,16 @@ class Worker:
             waiting = [t.job.model for t in self._queue]
             running = self._running[0].job.model if self._running else None
             batch = len(self._running)
+            wait = self._lineup.wait_s()
+        # What a router needs to place a request: each model's switch price now (its
+        # bytes off the device at the measured tier rates) and the queue's estimated wait.
+        switch: dict[str, float] = {}
+        for name in self.names():
+            try:
+                host, disk = placement(self.cache, name, where=stats.components)
+            except NostallError:
+                continue
+            switch[name] = self._lineup.prices.seconds(host=host, disk=disk)
         resident: dict[str, set[str]] = {}
         for comp in stats.components.values():
             for p in comp["pipelines"]:
@@ -656,6 +667,10 @@ class Worker:
             "running": running,
             "running_batch": batch,
             "queue": waiting,
+            "queue_by_model": dict(Counter(waiting)),
+            "estimated_wait_s": wait,
+            "switch_s": switch,
+            "tier_rates_gbps": {k: v / 1e9 for k, v in self._lineup.prices.rates.items()},
             "recent": list(self.recent),
             "budget": self.budget.status(),
             "unavailable": dict(self.unavailable),
