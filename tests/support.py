@@ -109,3 +109,8 @@ def squashed(text: str) -> str:
     """``text`` without whitespace or rich's box characters: what a console printed, as
     it reads whatever the terminal's width and the temporary paths' lengths wrapped."""
     return re.sub(r"[\s│╭╮╰╯─]+", "", text)
+
+
+# ``python -m nostall.cli`` as the code of a process forked by the conftest's
+# ``fork_python`` (``sys.argv[1:]``: the command's arguments).
+CLI_MAIN = "import runpy; runpy.run_module('nostall.cli', run_name='__main__', alter_sys=True)"

@@ -6,6 +6,7 @@ module boundary."""
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import pathlib
 import subprocess
@@ -36,10 +37,16 @@ def _is_package(name: str) -> bool:
     return MODULES[name].name == "__init__.py"
 
 
+@functools.cache  # (every test here reads the same parse of each module: parsed once)
+def _tree(name: str) -> ast.Module:
+    return ast.parse(MODULES[name].read_text(), str(MODULES[name]))
+
+
+@functools.cache
 def _imports(name: str) -> list[tuple[str, list[str], int]]:
     """``(module imported, names taken from it, line)`` for every import in ``name``, at any
     depth (function-level ones included); relative imports resolved."""
-    tree = ast.parse(MODULES[name].read_text(), str(MODULES[name]))
+    tree = _tree(name)
     package = name if _is_package(name) else name.rpartition(".")[0]
     out = []
     for node in ast.walk(tree):
@@ -69,11 +76,7 @@ def _target(module: str) -> str | None:
 
 
 def test_every_module_says_its_job_in_its_first_line():
-    missing = [
-        n
-        for n, p in MODULES.items()
-        if not (ast.get_docstring(ast.parse(p.read_text())) or "").strip()
-    ]
+    missing = [n for n in MODULES if not (ast.get_docstring(_tree(n)) or "").strip()]
     assert not missing, f"modules without a docstring: {missing}"
 
 

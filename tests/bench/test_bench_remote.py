@@ -4,6 +4,9 @@ S3 server, nostall against the peers, and the shared host tier between two proce
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import types
 
 import pytest
 from typer.testing import CliRunner
@@ -22,9 +25,34 @@ TARGETS = {
 }
 
 
+# ``python -m nostall.bench.remote ARGS`` (sys.argv[1:]) in a process forked by the
+# conftest's ``fork_python``
+_BENCH_MAIN = (
+    "import runpy; runpy.run_module('nostall.bench.remote', run_name='__main__', alter_sys=True)"
+)
+
+
+def _forked_runs(monkeypatch, fork_python) -> None:
+    """The shared part's two processes forked by ``fork_python``: each a process of its
+    own (its pid, its mapping of the shared tier), without the seconds of CPU a new Python
+    spends importing torch again."""
+    from nostall.bench import remote
+
+    def run(cmd, *, capture_output, text, timeout):
+        assert cmd[:3] == [sys.executable, "-m", "nostall.bench.remote"], cmd
+        assert capture_output and text
+        p = fork_python(_BENCH_MAIN, *cmd[3:], stderr=True)
+        out, err = p.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+    forked = types.SimpleNamespace(run=run, TimeoutExpired=subprocess.TimeoutExpired)
+    monkeypatch.setattr(remote, "subprocess", forked)
+
+
 @pytest.mark.slow
-def test_tiny_remote_bench_runs_from_the_cli(tmp_path, monkeypatch):
+def test_tiny_remote_bench_runs_from_the_cli(tmp_path, monkeypatch, fork_python):
     monkeypatch.setenv("NOSTALL_SHM_DIR", str(tmp_path))
+    _forked_runs(monkeypatch, fork_python)
     out = tmp_path / "remote.json"
     result = CliRunner().invoke(
         app,

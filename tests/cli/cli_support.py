@@ -7,6 +7,8 @@ import sys
 
 from typer.testing import CliRunner
 
+from support import CLI_MAIN
+
 runner = CliRunner()
 
 
@@ -22,15 +24,11 @@ def run_cli(*args: str, **kw) -> subprocess.CompletedProcess:
     )
 
 
-# ``python -m nostall.cli`` in a forked child (sys.argv[1:] are the command's arguments).
-_CLI = "import runpy; runpy.run_module('nostall.cli', run_name='__main__', alter_sys=True)"
-
-
 def fork_cli(fork_python, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """``python -m nostall.cli ARGS`` as :func:`run_cli` runs it (a process of its own: its
     exit status, stdout and stderr), forked by the conftest's ``fork_python`` from a
     process that has imported torch and diffusers, so the imports cost it nothing."""
-    p = fork_python(_CLI, *args, stderr=True)
+    p = fork_python(CLI_MAIN, *args, stderr=True)
     out, err = p.communicate(timeout=timeout)
     return subprocess.CompletedProcess(["nostall", *args], p.returncode, out, err)
 

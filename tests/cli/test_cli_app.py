@@ -13,6 +13,8 @@ from cli_support import fork_cli, run_cli, runner
 from nostall.cli import app
 from nostall.cli.app import check_output, gigabytes, in_range, main, parse_dtype
 
+from support import CLI_MAIN
+
 
 def test_version():
     import nostall
@@ -115,10 +117,11 @@ def test_python_m_nostall_cli_runs_the_command():
 
 
 @pytest.mark.slow
-def test_sigterm_stops_a_command_as_ctrl_c_does_leaving_no_partial_file(tmp_path, wan_folder):
+def test_sigterm_stops_a_command_as_ctrl_c_does_leaving_no_partial_file(
+    tmp_path, wan_folder, fork_python
+):
     import signal
     import subprocess
-    import sys
     import time
 
     import torch
@@ -129,12 +132,8 @@ def test_sigterm_stops_a_command_as_ctrl_c_does_leaving_no_partial_file(tmp_path
     out.mkdir()
     args = ["decode", str(z), "--vae", str(wan_folder), "-o", str(out / "clip.mp4")]
     args += ["--no-denormalize", "--device", "cpu"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "nostall.cli", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    # python -m nostall.cli, its stderr on its stdout, forked as fork_cli's are
+    proc = fork_python(CLI_MAIN, *args, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while not list(out.iterdir()):  # the writer opened its partial file: frames are flowing
         assert proc.poll() is None, proc.communicate()[0]

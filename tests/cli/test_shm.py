@@ -7,7 +7,7 @@ import os
 import re
 
 import pytest
-from cli_support import plain, run_cli, runner, usage_error
+from cli_support import fork_cli, plain, runner, usage_error
 
 from nostall.cli import app
 
@@ -80,7 +80,7 @@ def test_rm_force_removes_a_segment_in_use(tmp_path, fork_python):
 @pytest.mark.slow
 def test_the_command_refuses_without_a_traceback(tmp_path, fork_python):
     with holder(fork_python, tmp_path) as p:
-        result = run_cli("shm", "rm", "t", "--root", str(tmp_path), timeout=120)
+        result = fork_cli(fork_python, "shm", "rm", "t", "--root", str(tmp_path))
         assert result.returncode == 2, result.stderr
         assert "Traceback" not in result.stdout + result.stderr
         assert str(p.pid) in plain(result.stdout)

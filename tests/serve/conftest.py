@@ -22,6 +22,35 @@ def store(tmp_path_factory):
 from nostall.serve.local import BackgroundServer as Server  # noqa: E402
 
 
+@pytest.fixture(scope="session")
+def start_serve(fork_python):
+    """:func:`nostall.serve.local.start_serve`, its ``nostall serve`` process forked by the
+    conftest's ``fork_python``: a process of its own (pid, signals, exit status, its
+    output on a pipe), without the ~10 s of CPU a new Python spends importing torch and
+    diffusers (on 2 cores, while the other tests wait for the cores)."""
+    import subprocess
+    import sys
+    import types
+
+    from nostall.serve import local
+
+    from support import CLI_MAIN
+
+    def popen(args, *, stdout, stderr, text, env):
+        assert args[:3] == [sys.executable, "-m", "nostall.cli"], args
+        assert (stdout, stderr, text) == (subprocess.PIPE, subprocess.STDOUT, True)
+        return fork_python(CLI_MAIN, *args[3:], stderr=subprocess.STDOUT, env=env)
+
+    forked = types.SimpleNamespace(Popen=popen, PIPE=subprocess.PIPE, STDOUT=subprocess.STDOUT)
+
+    def start(*args, **kw):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(local, "subprocess", forked)
+            return local.start_serve(*args, **kw)
+
+    return start
+
+
 @pytest.fixture(scope="package")
 def controlnets(store):
     """A tiny SDXL ControlNet under the store's controlnets/ folder."""

@@ -6,17 +6,15 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
-from nostall.serve.local import start_serve
 
-
-def _start(store, *args: str) -> tuple[subprocess.Popen, str]:
-    """``nostall serve`` over the tiny store on a free port, once it is ready."""
+def _start(start_serve, store, *args: str) -> tuple[subprocess.Popen, str]:
+    """``nostall serve`` over the tiny store on a free port, once it is ready (started by
+    the conftest's ``start_serve``)."""
     return start_serve(store, "--gpu-budget-gb", "0.1", "--host-budget-gb", "0.1", *args)
 
 
@@ -48,7 +46,7 @@ GRACE = 6  # seconds
 
 
 @pytest.fixture(scope="module")
-def worker_process(store, controlnets, tmp_path_factory):
+def worker_process(store, controlnets, tmp_path_factory, start_serve):
     """One ``nostall serve`` for the tests of a running worker; the last ends it with
     SIGTERM. Its log must then hold no traceback."""
     # --no-prepare and one small image instead: what the tests below run is then built
@@ -56,7 +54,7 @@ def worker_process(store, controlnets, tmp_path_factory):
     videos = tmp_path_factory.mktemp("served-videos")
     options = ("--grace-s", str(GRACE), "--max-overtaken", "0", "--max-connections", "16",
                "--video-dir", str(videos))  # fmt: skip
-    proc, url = _start(store, *options, "--no-prepare")
+    proc, url = _start(start_serve, store, *options, "--no-prepare")
     warm = httpx.post(f"{url}/v1/images/generations", json=_flux(1, 0, 32), timeout=120)
     assert warm.status_code == 200, warm.text
     proc.videos = videos
@@ -302,7 +300,7 @@ def test_an_empty_token_in_the_environment_is_refused_at_start(store, command):
 
 
 @pytest.mark.slow
-def test_the_fleet_stops_quietly_on_sigterm():
+def test_the_fleet_stops_quietly_on_sigterm(fork_python):
     # What `nostall fleet` runs under once Ray is up (the whole fleet on Ray takes half a
     # minute to start here; the context's behaviour is the same): one line per step, the
     # exit status of a process ended by SIGTERM, no stack dump.
@@ -314,9 +312,8 @@ def test_the_fleet_stops_quietly_on_sigterm():
         "    print('up', flush=True)\n"
         "    signal.pause()\n"
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    # a process of its own (its signals, its exit status), forked by the conftest's fixture
+    proc = fork_python(code, stderr=subprocess.STDOUT)
     assert proc.stdout.readline().strip() == "up"
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=60)[0]

@@ -27,8 +27,18 @@ def _post(url, model, **kw):
     return httpx.post(f"{url}/v1/images/generations", json=body, timeout=600)
 
 
-def test_the_fleet_on_ray_routes_encodes_shares_a_tier_and_outlives_a_worker(store, tmp_path):
+def test_the_fleet_on_ray_routes_encodes_shares_a_tier_and_outlives_a_worker(
+    store, tmp_path, monkeypatch
+):
     serve = pytest.importorskip("ray.serve")
+    # Ray's processes inherit this one's environment (as under ``nostall fleet``; a
+    # runtime_env would start a process to set up each worker's). Serve's proxy must
+    # answer its readiness check within 5 s, three times, or it is killed and serve.start
+    # fails: on 2 cores beside the other test workers it did not.
+    monkeypatch.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    monkeypatch.setenv("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    monkeypatch.setenv("NOSTALL_SHM_DIR", str(tmp_path))
 
     from nostall.memory import SharedPool
     from nostall.serve.fleet import build_embed, build_fleet
@@ -39,9 +49,6 @@ def test_the_fleet_on_ray_routes_encodes_shares_a_tier_and_outlives_a_worker(sto
         include_dashboard=False,
         object_store_memory=80 << 20,  # (Ray's least)
         log_to_driver=False,
-        runtime_env={
-            "env_vars": {"TOKENIZERS_PARALLELISM": "false", "NOSTALL_SHM_DIR": str(tmp_path)}
-        },
     )
     try:
         port = free_port()

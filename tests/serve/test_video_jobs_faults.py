@@ -236,14 +236,13 @@ GRACE = 6  # seconds (the queue is cut at 4.5 s: Worker.drain's margin)
 
 @pytest.mark.slow
 def test_sigterm_with_video_jobs_running_records_each_end_and_leaves_no_temporary(
-    store, tmp_path, monkeypatch
+    store, tmp_path, monkeypatch, start_serve
 ):
     """``nostall serve`` with a short job written (or being written), a long one
     denoising and one queued: SIGTERM, and within the grace period the process exits
     having recorded every job itself: the short one completed and playable, the long
     one stopped and the queued one failed as ``shutting_down`` (a restart's recovery
     would say ``interrupted``), no row lost, no temporary beside the videos."""
-    from nostall.serve.local import start_serve
     from nostall.serve.video_store import VideoStore
 
     videos = tmp_path / "videos"
