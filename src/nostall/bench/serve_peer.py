@@ -151,7 +151,7 @@ class PeerWorker:
         t = time.perf_counter()
         if self.mode == "to":
             if self.current is not None:
-                _point_back(self.kept[self.current])
+                point_back(self.kept[self.current])
             self.pipe = None
             self.pipe = self.on_host[name].to(self.device)
         else:
@@ -196,7 +196,7 @@ class PeerWorker:
 
     def close(self) -> None:
         if self.current is not None and self.mode == "to":
-            _point_back(self.kept[self.current])
+            point_back(self.kept[self.current])
         self.pipe = None
         self.on_host.clear()
         self.kept.clear()
@@ -204,10 +204,10 @@ class PeerWorker:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        _trim_heap()
+        trim_heap()
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """Give the freed CPU copies back to the system: glibc keeps tensors below its mmap
     threshold (up to 32 MiB, most of a pipeline's) in its heap, where the parts that
     follow the peer in this process could not use them."""
@@ -230,7 +230,8 @@ def _tensors(pipe: Any) -> list[tuple[torch.nn.Module, str, bool, torch.Tensor]]
     return out
 
 
-def _point_back(kept: list[tuple[torch.nn.Module, str, bool, torch.Tensor]]) -> None:
+def point_back(kept: list[tuple[torch.nn.Module, str, bool, torch.Tensor]]) -> None:
+    """Point each kept module's parameter or buffer back at the tensor kept for it."""
     # .to() assigned each parameter's .data (torch does not swap the Parameter objects
     # by default), so assigning the kept CPU tensors back undoes it without a copy.
     for module, name, is_param, tensor in kept:
