@@ -35,7 +35,7 @@ def test_synthetic_writes_a_store_the_other_commands_take(tmp_path):
         (["--pipeline", "flux-dev"], "'flux-dev' is not one of flux, flux-b, sdxl, sd3, wan"),
         (["--device", "tpu"], "'tpu' is not a device"),
         (["--size", "full", "--pipeline", "wan22"], "'wan22' is not one of flux, flux-b, "
-         "sdxl, sd3, wan-1.3b, wan-14b, wan22-a14b"),
+         "sdxl, sdxl-b, sdxl-c, sd3, wan-1.3b, wan-14b, wan22-a14b"),
         (["--elsewhere", "transformer_2"], "'transformer_2' is not ROLE=DIR"),
         (["--layout", "gguf"], "'gguf' is not one of diffusers, comfy"),
         (["--pipeline", "sdxl", "--layout", "comfy"], "add a Wan --pipeline"),

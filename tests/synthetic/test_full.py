@@ -458,3 +458,13 @@ def test_the_wan_layouts_have_the_published_configs(name):
     assert s.flow_shift == (12.0 if name == "wan22-a14b" else 3.0) and s.use_flow_sigmas
     assert files["tokenizer"] == ("t5", 512)
     assert files.get("boundary_ratio") == (0.875 if name == "wan22-a14b" else None)
+
+
+def test_the_sdxl_fine_tunes_have_their_own_unet_and_sdxls_text_encoders_and_vae():
+    from nostall.synthetic.full import footprint
+
+    one, three = footprint(("sdxl",)), footprint(("sdxl", "sdxl-b", "sdxl-c"))
+    unet = one["pipelines"]["sdxl"]["unet"]
+    assert three["distinct_bytes"] == one["distinct_bytes"] + 2 * unet
+    assert three["separate_bytes"] == 3 * one["distinct_bytes"]
+    assert three["pipelines"]["sdxl-b"] == one["pipelines"]["sdxl"]

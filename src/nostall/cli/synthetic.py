@@ -60,7 +60,8 @@ def synthetic(
         None,
         "--pipeline",
         help="Pipelines to write (repeatable): flux, flux-b (FLUX with its own transformer), "
-        "sdxl, sd3, wan when tiny; flux, flux-b, sdxl, sd3, wan-1.3b, wan-14b and wan22-a14b "
+        "sdxl, sd3, wan when tiny; flux, flux-b, sdxl, sdxl-b, sdxl-c (SDXL fine-tunes: their "
+        "own UNet), sd3, wan-1.3b, wan-14b and wan22-a14b "
         "(Wan 2.2's two 14B experts) when full. Default: all five when tiny, flux and sdxl "
         "when full.",
     ),

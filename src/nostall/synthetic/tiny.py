@@ -422,10 +422,23 @@ def _tiny_wan22_i2v(seed: int):
     )
 
 
+def _tiny_sdxl_tune(seed: int):
+    """An SDXL fine-tune: ``sdxl``'s text encoders and VAE (the same bytes), a UNet of the
+    same architecture drawn from ``seed``."""
+    import diffusers
+
+    pipe = _tiny_sdxl(3)
+    torch.manual_seed(seed)
+    pipe.register_modules(unet=diffusers.UNet2DConditionModel.from_config(pipe.unet.config))
+    return pipe
+
+
 _TINY: dict[str, Callable[[], Any]] = {
     "flux": lambda: _tiny_flux(1),
     "flux-b": lambda: _tiny_flux(2),  # same architecture, other transformer weights, shared rest
     "sdxl": lambda: _tiny_sdxl(3),
+    "sdxl-b": lambda: _tiny_sdxl_tune(12),  # catalog fine-tunes: their own UNet, sdxl's rest
+    "sdxl-c": lambda: _tiny_sdxl_tune(13),
     "sd3": lambda: _tiny_sd3(4),
     "wan": lambda: _tiny_wan(_WAN_SEED),
     "wan22": lambda: _tiny_wan22(6),  # experts drawn from seeds 6 and 7
