@@ -22,6 +22,7 @@ from nostall.cli.app import (
 
 __all__ = [
     "bench_adapters",
+    "bench_catalog",
     "bench_decode",
     "bench_fp8",
     "bench_load",
@@ -311,6 +312,91 @@ def bench_serve(
             log=_log,
             save=lambda r: write_report(r, out, overwrite=True),
             previous=previous,
+        )
+    write_report(report, out, overwrite=True)
+    _show(bench.tables(report))
+    console.print(f"report written to {out}")
+
+
+@bench_app.command("catalog")
+def bench_catalog(
+    size: str = typer.Option(
+        "tiny",
+        help="tiny (the catalog's five layouts, tiny, seconds on a CPU) or full (FLUX.1-dev, "
+        "SDXL and two fine-tunes, SD3-medium: 56.8 GB written under --work).",
+    ),
+    models: str = typer.Option(None, help="A store holding the catalog (default: written)."),
+    device: str = device_option(_DEVICE),
+    budget_gb: list[float] = typer.Option(  # noqa: B008
+        None,
+        "--budget-gb",
+        help="Device budgets for weights, every system alike (repeatable; default 44 and 80; "
+        "at tiny size scaled by the tiny catalog's bytes over the full one's).",
+    ),
+    system: list[str] = typer.Option(  # noqa: B008
+        None, "--system", help="nostall, lru-pinned, lru-pageable (repeatable; default all)."
+    ),
+    alpha: float = typer.Option(1.0, callback=in_range(0.0), help="Zipf popularity exponent."),
+    load: float = typer.Option(
+        0.7, callback=in_range(0.01, 2.0), help="Arrival rate as a share of nostall's capacity."
+    ),
+    requests: int = typer.Option(
+        None, callback=in_range(1), help="Requests per stream (tiny 24, full 48)."
+    ),
+    rounds: int = typer.Option(2, callback=in_range(1), help="Interleaved rounds (medians)."),
+    burst_x: float = typer.Option(
+        4.0, callback=in_range(1.0), help="The burst's rate over the stream's."
+    ),
+    slo_scale: float = typer.Option(
+        3.0, callback=in_range(1.0), help="Each request's SLO: its model's warm latency times this."
+    ),
+    max_queue: int = typer.Option(16, callback=in_range(1), help="nostall's --max-queue."),
+    trace: str = typer.Option(
+        None, help="Replay a trace file (Katz JSON, GenTD26 CSV, or at_s,model CSV) instead."
+    ),
+    elsewhere: list[str] = typer.Option(  # noqa: B008
+        None, "--elsewhere", help="ROLE=DIR (full size): that role's weight files under DIR."
+    ),
+    work: str = typer.Option(
+        None, help="Folder for the written store (default: temporary; full: kept in /tmp)."
+    ),
+    out: str = typer.Option(f"{BENCH_OUT}/catalog.json", help="JSON report path."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing report."),
+) -> None:
+    """A catalog larger than the device budget served to deadlines: nostall against plain
+    diffusers keeping what fits on the device (LRU; CPU copies pinned, and pageable),
+    interleaved rounds of one open-loop Zipf stream with a burst (issue #31)."""
+    from nostall.bench import catalog as bench
+    from nostall.bench.record import write_report
+
+    check_choices([size], ("tiny", "full"), "--size")
+    systems = check_choices(system or bench.SYSTEMS, bench.SYSTEMS, "--system")
+    away = {}
+    for item in elsewhere or ():
+        role, sep, folder = item.partition("=")
+        if not sep or not role or not folder:
+            raise typer.BadParameter(f"{item!r}: give ROLE=DIR", param_hint="--elsewhere")
+        away[role] = folder
+    check_output(out, hint="--out", overwrite=overwrite)
+    with usage_errors():
+        report = bench.run_catalog_bench(
+            models=models,
+            size=size,
+            device=device,
+            budgets_gb=tuple(budget_gb or (44.0, 80.0)),
+            systems=tuple(systems),
+            alpha=alpha,
+            load=load,
+            requests=requests,
+            rounds=rounds,
+            burst_x=burst_x,
+            slo_scale=slo_scale,
+            max_queue=max_queue,
+            trace=trace,
+            work=work,
+            elsewhere=away,
+            log=_log,
+            save=lambda r: write_report(r, out, overwrite=True),
         )
     write_report(report, out, overwrite=True)
     _show(bench.tables(report))
