@@ -118,7 +118,10 @@ def test_the_catalog_bench_runs_from_the_cli_and_every_system_draws_the_same_ima
     assert run["rate_per_s"] == pytest.approx(0.7 * run["capacity_per_s"])
     assert report["targets"]["catalog_images_equal_peer"]["met"] is True
     assert report["targets"]["burst_requests_lost"]["value"] == 0
-    assert report["targets"]["preempted_image_equals_straight"]["met"] is None
+    pre = run["preemption"]  # the long FLUX job paused for the short SDXL one
+    assert pre["preempted"] and pre["equal"] and pre["short"]["status"] == 200
+    assert [b["model"] for b in pre["preempted_by"]] == ["sdxl"]
+    assert report["targets"]["preempted_image_equals_straight"]["met"] is True
     assert "waited for weights" in result.output
 
 
@@ -156,3 +159,4 @@ def test_the_catalog_bench_runs_on_a_gpu_with_the_pinned_peer(tmp_path):
     for passes in run["passes"].values():
         assert passes[0]["answered_200"] == 8
     assert report["targets"]["catalog_images_equal_peer"]["met"] is True
+    assert run["preemption"]["preempted"] and run["preemption"]["equal"]

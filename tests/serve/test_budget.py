@@ -174,6 +174,18 @@ def test_peaks_are_remembered_and_size_the_next_reserve(tmp_path, caplog):
     )
 
 
+def test_a_job_run_inside_a_paused_one_is_measured_as_its_own_and_not_as_the_paused_ones():
+    mem = FakeMemory(allocated=30 * GB)
+    b = _budget(total=100 * GB, memory=mem)
+    with b.measure("flux", "1024x1024 b1"):
+        mem.top = 34 * GB  # the paused job's own peak, before the pause
+        with b.paused(), b.measure("sdxl", "512x512 b1"):
+            mem.top = 39 * GB  # the preempting job's activations, above what flux keeps
+        mem.top = 33 * GB  # after the pause: flux's steps again
+    assert b.peak("sdxl", "512x512 b1") == 9 * GB
+    assert b.peak("flux", "1024x1024 b1") == 4 * GB  # its own, kept across the pause
+
+
 def test_an_unreadable_peaks_file_is_said_and_measured_again(tmp_path, caplog):
     (tmp_path / PEAKS_FILE).write_text("{not json")
     with caplog.at_level(logging.WARNING, logger="nostall.serve.budget"):

@@ -357,6 +357,9 @@ def bench_catalog(
     elsewhere: list[str] = typer.Option(  # noqa: B008
         None, "--elsewhere", help="ROLE=DIR (full size): that role's weight files under DIR."
     ),
+    preempt: bool = typer.Option(
+        True, "--preempt/--no-preempt", help="Run the preemption part after the first budget."
+    ),
     work: str = typer.Option(
         None, help="Folder for the written store (default: temporary; full: kept in /tmp)."
     ),
@@ -395,6 +398,7 @@ def bench_catalog(
             trace=trace,
             work=work,
             elsewhere=away,
+            preempt=preempt,
             log=_log,
             save=lambda r: write_report(r, out, overwrite=True),
         )

@@ -188,6 +188,12 @@ def serve(
     prepare: bool = typer.Option(
         True, "--prepare/--no-prepare", help="Build every pipeline's modules at boot."
     ),
+    preempt: bool = typer.Option(
+        True,
+        "--preempt/--no-preempt",
+        help="Pause a long job at a denoising step for a short image job of another "
+        "pipeline that would miss its slo_ms otherwise (the paused job's output unchanged).",
+    ),
     embed_budget_gb: float = typer.Option(
         None,
         callback=in_range(0.0),
@@ -273,6 +279,7 @@ def serve(
             ),
             max_queue=max_queue,
             prepare=prepare,
+            preempt=preempt,
             embed_url=embed_url,
             reserve=None if activation_reserve_gb is None else int(activation_reserve_gb * 1e9),
             external=int((embed_budget_gb or 0) * 1e9),

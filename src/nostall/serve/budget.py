@@ -288,6 +288,7 @@ class DeviceBudget:
         self.total = self.memory.free() if total is None else total
         self.external = external
         self._lock = threading.Lock()
+        self._measuring = threading.local()  # this thread's measure() blocks, innermost last
         self._claims: dict[str, int] = {}
         self._said: set[tuple[str, str]] = set()  # peaks above the reserve, warned about
         self._write_failed = False
@@ -438,19 +439,44 @@ class DeviceBudget:
         known = self.peak(pipeline, shape)
         if known is not None and known > mem.unreserved():
             mem.release()
+        frames = self._frames()
+        frame: dict[str, int | None] = {"top": None}  # the peak before a paused() part
+        frames.append(frame)
         mem.reset_peak()
         try:
             yield
         except BaseException as e:
-            top = mem.peak()
+            top = _larger(mem.peak(), frame["top"])
             if is_out_of_memory(e) and top is not None:
                 self.record(pipeline, shape, max(0, top - base))  # at least this much
             raise
-        top, after = mem.peak(), mem.allocated()
+        finally:
+            frames.pop()
+        top, after = _larger(mem.peak(), frame["top"]), mem.allocated()
         if top is not None and after is not None:
             # Above the larger of before and after: weights that arrived and stayed (a
             # first switch's tier, a module's buffers) are not activations.
             self.record(pipeline, shape, max(0, top - max(base, after)))
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """A part of this thread's :meth:`measure` block that is not its job (another job
+        run inside it, at a paused denoising step): the block's peak so far is kept, and
+        its measure resumes after the part, whose own blocks measure themselves."""
+        frames = self._frames()
+        if frames:
+            frames[-1]["top"] = _larger(self.memory.peak(), frames[-1]["top"])
+        try:
+            yield
+        finally:
+            if frames:
+                self.memory.reset_peak()
+
+    def _frames(self) -> list[dict[str, int | None]]:
+        frames = getattr(self._measuring, "frames", None)
+        if frames is None:
+            frames = self._measuring.frames = []
+        return frames
 
     def record(self, pipeline: str, shape: str, nbytes: int) -> None:
         """Remember ``nbytes`` as ``pipeline``'s activation peak at ``shape`` (the larger
@@ -546,3 +572,7 @@ def _valid(data: Any) -> dict[str, dict[str, dict[str, int]]]:
                 if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
                     out.setdefault(kind, {}).setdefault(p, {})[s] = n
     return out
+
+
+def _larger(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)

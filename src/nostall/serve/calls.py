@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -88,15 +89,27 @@ class PhaseClock:
     caller's one synchronisation at the end; elsewhere they read the clock.
 
     ``stop``: an event that, once set, ends the call at its next denoiser step with
-    :class:`~nostall.errors.ShuttingDown` (a worker that drains).
+    :class:`~nostall.errors.ShuttingDown` (a worker that drains). ``on_step(steps)``:
+    called before each denoiser call after the first (a step boundary) with the calls
+    done; it may run other work there and returns the seconds it took, which the
+    ``preempted`` phase counts and the denoise span leaves out.
     """
 
     _TEXT = ("text_encoder", "text_encoder_2", "text_encoder_3")
     _DENOISE = ("transformer", "transformer_2", "unet")
 
-    def __init__(self, pipe: Any, device: torch.device, *, stop: threading.Event | None = None):
+    def __init__(
+        self,
+        pipe: Any,
+        device: torch.device,
+        *,
+        stop: threading.Event | None = None,
+        on_step: Callable[[int], float] | None = None,
+    ):
         self.cuda = device.type == "cuda"
         self.stop = stop
+        self.on_step = on_step
+        self.paused_s = 0.0  # seconds on_step ran other work
         self.steps = 0  # denoiser calls begun
         self.start_s = time.perf_counter()
         self.start = self._mark()
@@ -143,6 +156,8 @@ class PhaseClock:
                 f"the worker is shutting down: the job was stopped after {self.steps} "
                 "denoiser calls"
             )
+        if self.on_step is not None and self.steps:
+            self.paused_s += self.on_step(self.steps)
         self.steps += 1
         if self.first is None:
             self.first = self._mark()
@@ -162,8 +177,11 @@ class PhaseClock:
         if self.first is None or self.last is None:
             return {"text": text, "denoise": 0.0, "decode": done - self.start_s}
         to_last = self._between(self.start, self.last)
-        return {
+        out = {
             "text": text,
-            "denoise": self._between(self.first, self.last),
+            "denoise": max(0.0, self._between(self.first, self.last) - self.paused_s),
             "decode": max(0.0, (done - self.start_s) - to_last),
         }
+        if self.paused_s:
+            out["preempted"] = self.paused_s
+        return out

@@ -77,6 +77,10 @@ class WorkerConfig:
         prepare: at start, do the first switch's one-time work for every pipeline
             (:meth:`ModelCache.prepare <nostall.ModelCache.prepare>`).
         prefetch: move the next queued job's pipeline while the current one runs.
+        preempt: pause a job running alone at a denoising step for a queued image job
+            of another pipeline that would otherwise miss its SLO, when that is worth
+            its switch (:mod:`nostall.serve.schedule`); the paused job resumes where it
+            stopped, its output unchanged.
         recent: finished jobs the status page lists.
         embed_url: an embedding service (``nostall embed-server``) that encodes FLUX,
             SDXL and SD3 prompts; the pipelines are then switched in without their text
@@ -100,6 +104,7 @@ class WorkerConfig:
     limits: Limits = field(default_factory=Limits)
     prepare: bool = True
     prefetch: bool = True
+    preempt: bool = True
     recent: int = 50
     embed_url: str | None = None
     reserve: int | None = None
@@ -124,6 +129,7 @@ class WorkerConfig:
         check_count("recent", self.recent, unit="jobs", optional=False)
         _check_flag("prepare", self.prepare)
         _check_flag("prefetch", self.prefetch)
+        _check_flag("preempt", self.preempt)
         check_http_url("embed_url", self.embed_url)
         check_count("video_max_bytes", self.video_max_bytes, least=1, unit="bytes")
         if self.video_dir is not None and not isinstance(self.video_dir, (str, os.PathLike)):

@@ -56,6 +56,7 @@ class Lineup:
         self._predicted: str | None = None  # prefetched since the last batch began
         self._resident: set[str] = set()  # as last seen
         self._running: tuple[str, float, float] | None = None  # key, since, estimate
+        self._batch: list[Any] = []  # the running batch's tickets
         self.prices = SwitchPrices()  # the tiers' measured rates
 
     # ---- under the worker's lock ---------------------------------------------------
@@ -73,17 +74,63 @@ class Lineup:
         self._pipelines[key] = (job.model, roles)
         self.schedule.add(self._request(ticket, key, shape, work))
 
-    def admit(self, ticket: Any) -> float | None:
+    def admit(self, ticket: Any, preempts: bool = False) -> float | None:
         """``None`` when ``ticket`` (not queued yet) would meet its job's SLO
         (``slo_s``; a job without one always would), else how late it would be: the
-        seconds a client should wait before retrying."""
+        seconds a client should wait before retrying. ``preempts``: the ticket may pause
+        the running job (the worker's rules, :meth:`preemptor`), so it need not wait for
+        that job to end if it is of another pipeline."""
         if getattr(ticket.job, "slo_s", None) is None:
             return None
         key, shape, work = _terms(ticket.job, self.policy.batch > 1)
         resident, busy = self._now_resident()
-        return self.schedule.admit(
-            self._request(ticket, key, shape, work), resident, now=time.perf_counter(), busy_s=busy
+        request = self._request(ticket, key, shape, work)
+        now = time.perf_counter()
+        late = self.schedule.admit(request, resident, now=now, busy_s=busy)
+        if late is not None and preempts and self._pausable() and self.running != key:
+            late = self.schedule.admit(request, resident, now=now, busy_s=0.0)
+        return late
+
+    def _pausable(self) -> bool:
+        return self._running is not None and len(self._batch) == 1
+
+    def preemptor(self, allowed: Any) -> Any:
+        """At a step boundary of the running job: the queued ticket worth pausing it for
+        (taken off the schedule; the caller takes it out of its deque and runs it), or
+        ``None`` (:meth:`Scheduler.preemptor`; ``allowed(ticket)``: the worker's rules).
+        Call :meth:`preempted` once it has run."""
+        if not self._pausable():
+            return None
+        resident, busy = self._now_resident()
+        running = self._batch[0]
+        slo = getattr(running.job, "slo_s", None)
+        r = self.schedule.preemptor(
+            self._running[0],
+            busy,
+            resident,
+            now=time.perf_counter(),
+            running_deadline=None if slo is None else running.arrived + slo,
+            allowed=lambda r: not r.id.cancelled.is_set() and allowed(r.id),
         )
+        return None if r is None else r.id
+
+    def preempted(self, ticket: Any, seconds: float, result: Any) -> None:
+        """``ticket`` (from :meth:`preemptor`) ran for ``seconds`` inside the paused job
+        (``result``: its :class:`~nostall.serve.worker.Result`, ``None`` if it failed):
+        the paused job's estimate moves on by that much, and the estimates learn."""
+        if self._running is not None:
+            key, since, estimate = self._running
+            self._running = (key, since + seconds, estimate)
+        if result is None:
+            return
+        key, _, work = _terms(ticket.job, False)
+        switch = result.phases.get("switch", 0.0)
+        moved = any(c.get("tier") in ("host", "disk") for c in result.switch.get("components", []))
+        self.schedule.observe(
+            key, work, run_s=max(0.0, seconds - switch), switch_s=switch if moved else None
+        )
+        if result.switch:
+            self.prices.observe(result.switch)
 
     def _request(self, ticket: Any, key: str, shape: Hashable, work: float) -> Request:
         slo = getattr(ticket.job, "slo_s", None)
@@ -133,6 +180,7 @@ class Lineup:
         self._group = (key, chosen[0].shape)
         self._predicted = None
         self._running = (key, time.perf_counter(), estimate)
+        self._batch = batch
         return batch
 
     def predict(self, resident: set[str]) -> tuple[str, tuple[str, ...]] | None:
@@ -148,7 +196,7 @@ class Lineup:
     def done(self, seconds: float, results: list[Any]) -> None:
         """The batch :meth:`take` returned last has run for ``seconds``; ``results``: the
         :class:`~nostall.serve.worker.Result` of each job that succeeded."""
-        self._running = None
+        self._running, self._batch = None, []
         if not results:
             self.schedule.done(seconds)
             return

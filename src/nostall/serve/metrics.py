@@ -64,6 +64,11 @@ class WorkerMetrics:
         self.tier_bytes = Gauge(
             "nostall_tier_bytes", "Weights resident per tier.", ["tier"], registry=r
         )
+        self.preemptions = Counter(
+            "nostall_preemptions",
+            "Jobs paused at a denoising step for a job of another pipeline.",
+            registry=r,
+        )
         self.videos: VideoMetrics | None = None  # once the worker serves video jobs
 
     def watch_videos(self, counts: Callable[[], dict[str, int]]) -> VideoMetrics:

@@ -17,6 +17,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -74,6 +75,9 @@ class Runner:
             self._embed_pool = ThreadPoolExecutor(1, thread_name_prefix="nostall-embed-client")
 
         self._frames = None  # the asynchronous frame pipeline of generated videos
+        # ``on_step(job, steps)``: called at each step boundary of a job running alone
+        # (the worker preempts there); returns the seconds it ran other jobs
+        self.on_step: Callable[[Any, int], float] | None = None
 
     def close(self) -> None:
         """Wait for the videos being written, then close the frame pipeline and the
@@ -230,7 +234,7 @@ class Runner:
         call, their images in order."""
         from nostall.serve.prompts import apply
 
-        clock = PhaseClock(pipe, self.device, stop=self.stop)
+        clock = PhaseClock(pipe, self.device, stop=self.stop, on_step=self._boundary(job))
         try:
             jobs = job if isinstance(job, list) else [job]
             kwargs = image_kwargs(pipe, jobs[0], self.device)
@@ -246,6 +250,13 @@ class Runner:
             return images if isinstance(job, list) else images[0], clock, time.perf_counter()
         finally:
             clock.remove()
+
+    def _boundary(self, job: Any) -> Callable[[int], float] | None:
+        """The step-boundary callback of a job that runs alone (a batch is not paused)."""
+        on_step = self.on_step
+        if on_step is None or isinstance(job, list):
+            return None
+        return lambda steps: on_step(job, steps)
 
     def without(self, job: ImageJob | VideoJob) -> tuple[str, ...]:
         """The weights components ``job`` does not need switched in: for a decode,
@@ -314,7 +325,7 @@ class Runner:
         with self.cache.use(job.model) as pipe:
             switched = time.perf_counter()
             report = self._switch_report(job.model)
-            clock = PhaseClock(pipe, self.device, stop=self.stop)
+            clock = PhaseClock(pipe, self.device, stop=self.stop, on_step=self._boundary(job))
             try:
                 kwargs = _generate_kwargs(pipe, job, self.device)
                 kwargs["callback_on_step_end"] = step_end

@@ -40,6 +40,14 @@ switch in its estimate, within the same bound:
    chased). :meth:`Scheduler.admit` says whether a new request would meet its deadline
    in that order, and when to retry if not.
 
+**Preemption.** A job running a pipeline of many denoising steps can be paused at a step
+boundary for a queued request of another pipeline (:meth:`Scheduler.preemptor`, asked
+at each boundary): one with a deadline it would miss behind what is left of the running
+job by more than its own switch costs (the gain must pay for the switch; the paused
+pipeline stays resident, so coming back costs nothing), that it can still meet if it
+runs now, whose run does not make the paused job miss a deadline it would have met, and
+whose jump over the older queued requests stays within the bound of rule 2.
+
 >>> s = Scheduler(Policy(batch=2, overtake=1), run_s=1.0, switch_s=5.0)
 >>> for i, p in enumerate(["flux", "sdxl", "flux", "flux"]):
 ...     s.add(Request(i, p, "512x512", arrived=float(i)))
@@ -53,7 +61,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Collection, Hashable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
 
 from nostall.errors import ArgumentError
@@ -244,6 +252,63 @@ class Scheduler:
         work = sum(r.work for r in out)
         self._last = (lead.pipeline, work, lead.pipeline not in resident, pushed, choice.seconds)
         return out
+
+    def preemptor(
+        self,
+        running: str,
+        busy_s: float,
+        resident: Collection[str],
+        *,
+        now: float,
+        running_deadline: float | None = None,
+        allowed: Callable[[Request], bool] | None = None,
+    ) -> Request | None:
+        """The queued request worth pausing the running job for now (see the module),
+        taken off the queue with the requests it overtakes charged; ``None`` if none is.
+        ``running``: the running job's pipeline; ``busy_s``: its estimated seconds left;
+        ``allowed``: which requests may preempt at all (the caller's rules). Tell
+        :meth:`observe` what it took once it has run."""
+        best: tuple[float, int, _Choice, float] | None = None
+        for i, w in enumerate(self._queue):
+            r = w.request
+            if r.deadline is None or r.pipeline == running:
+                continue
+            if allowed is not None and not allowed(r):
+                continue
+            switch = 0.0 if r.pipeline in resident else self.switch_estimate(r.pipeline)
+            cost = switch + self.run_estimate(r.pipeline, r.work)
+            if now + cost > r.deadline + 1e-9:
+                continue  # too late even if it ran now: not chased
+            if now + busy_s + cost - r.deadline <= switch + 1e-9:
+                continue  # on time behind the running job, or too little late to pay
+            if running_deadline is not None and (
+                now + busy_s <= running_deadline + 1e-9 < now + busy_s + cost
+            ):
+                continue  # the paused job would miss a deadline it would have met
+            choice = self._charge(self._queue, [i], switch)
+            if choice is None:
+                continue
+            if best is None or r.deadline < best[0]:
+                best = (r.deadline, i, choice, cost)
+        if best is None:
+            return None
+        _, lead, choice, _ = best
+        for i, (passed, s) in choice.charges.items():
+            self._queue[i].overtaken += passed
+            self._queue[i].delay += s
+        r = self._queue.pop(lead).request
+        self._ids.discard(r.id)
+        return r
+
+    def observe(
+        self, pipeline: str, work: float, *, run_s: float, switch_s: float | None = None
+    ) -> None:
+        """A request run outside :meth:`next` (a preemptor) took ``run_s`` for ``work``,
+        and ``switch_s`` to switch (``None``: it did not switch): the estimates learn."""
+        if work > 0:
+            self._rate[pipeline] = self._average(self._rate.get(pipeline), run_s / work)
+        if switch_s is not None:
+            self._switch[pipeline] = self._average(self._switch.get(pipeline), switch_s)
 
     def done(
         self, seconds: float, *, run_s: float | None = None, switch_s: float | None = None

@@ -59,6 +59,7 @@ from nostall.serve.budget import DeviceBudget, is_out_of_memory, unfit, video_on
 from nostall.serve.config import WorkerConfig
 from nostall.serve.jobs import GenerateJob, ImageJob, VideoJob, activation_key
 from nostall.serve.lineup import Lineup
+from nostall.serve.preempt import Preemption
 from nostall.serve.prices import placement
 from nostall.serve.requests import (
     Limits,
@@ -182,6 +183,8 @@ class Worker:
         self._stop = threading.Event()  # set: the running job stops at its next step
         self.runner = Runner(self.cache, budget, embed_url=config.embed_url, stop=self._stop)
         self._lineup = Lineup(config.schedule, self.cache, self.runner.without)
+        self.preemption = Preemption(self)
+        self.runner.on_step = self.preemption
         self._cond = threading.Condition()
         self._accepting = False
         self._deadline: float | None = None  # monotonic: when drain or shutdown must end
@@ -404,7 +407,9 @@ class Worker:
                     f"retry in about {wait:.1f} s",
                     retry_after=wait,
                 )
-            late = self._lineup.admit(ticket)
+            late = self._lineup.admit(
+                ticket, preempts=self.config.preempt and self.preemption.allowed(ticket)
+            )
             if late is not None:
                 # Its own SLO cannot be met behind what is queued: say so now, not late.
                 self.metrics.rejected.inc()
@@ -608,6 +613,9 @@ class Worker:
         result.info["order"] = self._served
         result.phases = {"queue": queue_s, **result.phases}
         result.phases["total"] = time.perf_counter() - t.arrived
+        by = self.preemption.take(t.job)
+        if by:
+            result.info["preempted_by"] = by
         for phase, s in result.phases.items():
             if phase != "total":
                 self.metrics.phases.labels(phase).observe(s)
@@ -668,6 +676,7 @@ class Worker:
             "running_batch": batch,
             "queue": waiting,
             "queue_by_model": dict(Counter(waiting)),
+            "preemptions": self.preemption.count,
             "estimated_wait_s": wait,
             "switch_s": switch,
             "tier_rates_gbps": {k: v / 1e9 for k, v in self._lineup.prices.rates.items()},

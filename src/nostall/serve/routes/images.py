@@ -63,5 +63,7 @@ async def generations(request: Request, worker: WorkerDep) -> Response:
                 "switch": out.switch,
             },
         }
+        if out.info.get("preempted_by"):  # the jobs that ran while this one was paused
+            doc["nostall"]["preempted_by"] = out.info["preempted_by"]
         resp = JSONResponse(doc, headers=headers)
     return answered(worker, "images", body.model, resp, t0)

@@ -1,0 +1,85 @@
+"""Step-level preemption through real HTTP (issue #31): a long FLUX job paused at a
+denoising step for a short SDXL job with an SLO it would otherwise miss; the long one's
+image equals the same request run straight through; off, the short one waits."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import Server
+from nostall.serve.app import create_app
+from nostall.serve.worker import Worker
+
+
+def _body(model, seed, steps, side, slo_ms=None):
+    body = {"model": model, "prompt": "x", "size": f"{side}x{side}", "steps": steps, "seed": seed}
+    if model == "flux":
+        body["max_sequence_length"] = 16
+    if slo_ms is not None:
+        body["slo_ms"] = slo_ms
+    return body
+
+
+def _send(url, body):
+    t = time.perf_counter()
+    r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=300)
+    return r, time.perf_counter() - t
+
+
+def _post(url, body):
+    r, seconds = _send(url, body)
+    assert r.status_code == 200, r.text
+    return r.json(), seconds
+
+
+def _race(store, preempt: bool):
+    """Warm both pipelines, then the long FLUX job straight, then again with a short SDXL
+    job sent while it runs; everything measured."""
+    worker = Worker(store, device="cpu", max_queue=8, preempt=preempt)
+    with Server(create_app(worker)) as srv:
+        for _ in range(2):  # the second of each: warm, and the estimates learned
+            _, flux_4 = _post(srv.url, _body("flux", 1, 4, 128))
+            _, short = _post(srv.url, _body("sdxl", 1, 2, 32))
+        slo_s = max(0.3, 4 * short)  # on time only if it need not wait for the long job
+        steps = min(150, max(40, int(15 * slo_s / (flux_4 / 4))))  # the long job: ~15 SLOs
+        straight, _ = _post(srv.url, _body("flux", 7, steps, 128))
+        got = {}
+        long = threading.Thread(
+            target=lambda: got.update(long=_post(srv.url, _body("flux", 7, steps, 128)))
+        )
+        long.start()
+        while worker.status()["running"] is None:  # it began
+            time.sleep(0.01)
+        time.sleep(0.1)
+        answer, latency = _send(srv.url, _body("sdxl", 3, 2, 32, slo_ms=int(slo_s * 1000)))
+        long.join()
+        status = worker.status()
+    return straight, got["long"], answer, latency, slo_s, status
+
+
+@pytest.mark.slow
+def test_a_preempted_image_equals_the_straight_one_and_the_short_job_meets_its_slo(store):
+    straight, (paused, long_s), r, short_s, slo_s, status = _race(store, preempt=True)
+    assert r.status_code == 200, r.text  # admitted: it can preempt
+    short = r.json()
+    by = paused["nostall"]["preempted_by"]
+    assert [b["model"] for b in by] == ["sdxl"] and by[0]["at_step"] >= 1
+    assert short_s <= slo_s < long_s  # answered within its SLO, while the long one ran
+    assert paused["data"][0]["b64_json"] == straight["data"][0]["b64_json"]  # bit for bit
+    phases = paused["nostall"]["phases"]
+    assert phases["preempted"] == pytest.approx(by[0]["seconds"])
+    assert status["preemptions"] == 1
+    assert short["nostall"]["order"] < paused["nostall"]["order"]  # it finished first
+
+
+@pytest.mark.slow
+def test_with_preemption_off_the_short_job_is_refused_at_once_as_it_would_be_late(store):
+    straight, (paused, _long_s), r, short_s, slo_s, status = _race(store, preempt=False)
+    assert r.status_code == 429 and float(r.headers["retry-after"]) > 0
+    assert short_s < slo_s  # at once, not after waiting
+    assert "preempted_by" not in paused["nostall"] and status["preemptions"] == 0
+    assert paused["data"][0]["b64_json"] == straight["data"][0]["b64_json"]
