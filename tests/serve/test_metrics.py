@@ -83,3 +83,31 @@ def test_watching_again_points_the_gauges_at_the_new_counts():
     second = m.watch_videos(lambda: _counts(completed=5))  # no duplicate-series error
     assert first is second
     assert 'nostall_video_jobs{status="completed"} 5.0' in m.render().decode()
+
+
+def test_what_a_router_places_by_is_read_from_the_workers_status_at_each_scrape():
+    from nostall.errors import ClosedError
+    from nostall.serve.metrics import WorkerMetrics
+
+    status = {
+        "queue_by_model": {"flux": 2, "sdxl": 1},
+        "estimated_wait_s": 3.5,
+        "switch_s": {"flux": 0.0, "sdxl": 0.12},
+        "models": {"flux": ["gpu"], "sdxl": ["gpu", "host"]},
+    }
+    m = WorkerMetrics()
+    m.watch_placement(lambda: status)
+    text = m.render().decode()
+    assert 'nostall_queue_model{model="flux"} 2.0' in text
+    assert "nostall_estimated_wait_seconds 3.5" in text
+    assert 'nostall_switch_price_seconds{model="sdxl"} 0.12' in text
+    assert 'nostall_pipeline_tier{model="sdxl",tier="host"} 1.0' in text
+    status["estimated_wait_s"] = 0.5
+    assert "nostall_estimated_wait_seconds 0.5" in m.render().decode()
+
+    def closed():
+        raise ClosedError("the worker is closed")
+
+    m = WorkerMetrics()
+    m.watch_placement(closed)
+    assert "nostall_estimated_wait_seconds" in m.render().decode()  # the family, no samples

@@ -76,6 +76,10 @@ class FleetRouter:
         self.nbytes = dict(nbytes)
         self.down_s = down_s
         self.models: list[dict[str, list[str]]] = [{} for _ in self.workers]
+        # each worker's own estimates, as of its last answer: its queue's wait and the
+        # price of a switch to each pipeline (None until it answered)
+        self.waits: list[float | None] = [None] * len(self.workers)
+        self.prices: list[dict[str, float]] = [{} for _ in self.workers]
         self.actors: list[str | None] = [None] * len(self.workers)
         self.in_flight = [0] * len(self.workers)
         self.down_until = [0.0] * len(self.workers)
@@ -84,9 +88,14 @@ class FleetRouter:
         self.metrics = FleetMetrics(len(self.workers))
 
     def order(self, model: str) -> list[int]:
-        """The workers to try for ``model``, cheapest first (those marked down left out,
-        unless all are): the estimated switch and queue, then the bytes each holds on
-        its device (pipelines spread over the fleet), then the index."""
+        """The workers to try for ``model``, soonest done first (those marked down left
+        out, unless all are): each one's estimated wait plus its switch to ``model``,
+        from its own estimates as of its last answer (the wait grown by the requests
+        sent to it since, the switch priced from where its bytes are at the rates its
+        switches measured), or, before it answered, from the tier its bytes are in and
+        the requests in flight; so a warm worker goes first unless its queue outweighs
+        another's switch. Ties: the bytes each holds on its device (pipelines spread
+        over the fleet), then the index."""
         now = time.monotonic()
         live = [i for i in range(len(self.workers)) if self.down_until[i] <= now]
         if not live:
@@ -94,13 +103,20 @@ class FleetRouter:
 
         def key(i: int):
             tier = slowest_tier(self.models[i].get(model))
-            cost = route_cost(tier, self.nbytes.get(model, 0), self.in_flight[i], self.request_s)
+            if tier in ("gpu", "device"):
+                switch = 0.0
+            elif model in self.prices[i]:
+                switch = self.prices[i][model]
+            else:
+                switch = route_cost(tier, self.nbytes.get(model, 0), 0, self.request_s)
+            queued = self.in_flight[i] * self.request_s
+            wait = queued if self.waits[i] is None else max(self.waits[i], queued)
             held = sum(
                 self.nbytes.get(m, 0)
                 for m, tiers in self.models[i].items()
                 if slowest_tier(tiers) in ("gpu", "device")
             )
-            return (cost, held, i)
+            return (switch + wait, held, i)
 
         return sorted(live, key=key)
 
@@ -135,8 +151,11 @@ class FleetRouter:
                 self.in_flight[i] -= 1
                 self.metrics.in_flight.labels(str(i)).set(self.in_flight[i])
             if "state" in out:
-                self.models[i] = out["state"]["models"]
-                self.actors[i] = out["state"].get("actor")
+                state = out["state"]
+                self.models[i] = state["models"]
+                self.actors[i] = state.get("actor")
+                self.waits[i] = state.get("estimated_wait_s")
+                self.prices[i] = dict(state.get("switch_s") or {})
             if "error" in out:
                 failed = self._failed(i, out)
                 if failed is None:
@@ -192,6 +211,8 @@ class FleetRouter:
                     "actor": self.actors[i],
                     "models": self.models[i],
                     "in_flight": self.in_flight[i],
+                    "estimated_wait_s": self.waits[i],
+                    "switch_s": self.prices[i],
                     "down": self.down_until[i] > now,
                 }
                 for i in range(len(self.workers))

@@ -104,4 +104,7 @@ class FleetMember:
             "actor": self.actor,
             "models": s["models"],
             "queue": len(s["queue"]),
+            # what the router places by: the queue's estimated wait, each switch's price
+            "estimated_wait_s": s.get("estimated_wait_s"),
+            "switch_s": s.get("switch_s", {}),
         }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -81,6 +82,12 @@ class WorkerMetrics:
             self.videos.counts.source = counts
         return self.videos
 
+    def watch_placement(self, status: Callable[[], dict[str, Any]]) -> None:
+        """Add what a router places by, read from ``status`` (the worker's
+        :meth:`~nostall.serve.worker.Worker.status`) at each scrape: the queue per model,
+        the estimated wait, each model's switch price now, each pipeline's tiers."""
+        self.registry.register(_Placement(status))
+
     def answered(
         self, endpoint: str, model: str, status: int, seconds: float, known: Collection[str]
     ) -> None:
@@ -147,6 +154,56 @@ class VideoMetrics:
             self.phases.labels("denoise").observe(denoise)
         self.phases.labels("decode_write").observe(decode_write)
         self.frames.inc(frames)
+
+
+class _Placement:
+    """``nostall_queue_model{model}``, ``nostall_estimated_wait_seconds``,
+    ``nostall_switch_price_seconds{model}`` and ``nostall_pipeline_tier{model,tier}``
+    (1 for each tier holding some of the pipeline), read at each scrape."""
+
+    def __init__(self, status: Callable[[], dict[str, Any]]):
+        self.status = status
+
+    def describe(self) -> list[Metric]:
+        return list(self._families(None))
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            s = self.status()
+        except NostallError as e:  # (closed: the worker is shutting down)
+            log.debug("placement left out of a scrape: %s", e)
+            s = None
+        return self._families(s)
+
+    @staticmethod
+    def _families(s: dict[str, Any] | None) -> Iterator[Metric]:
+        queue = GaugeMetricFamily(
+            "nostall_queue_model", "Jobs waiting, per model.", labels=["model"]
+        )
+        wait = GaugeMetricFamily(
+            "nostall_estimated_wait_seconds", "Estimated seconds until every waiting job has run."
+        )
+        price = GaugeMetricFamily(
+            "nostall_switch_price_seconds",
+            "Estimated seconds of a switch to each model now (its bytes off the device at "
+            "the measured tier rates).",
+            labels=["model"],
+        )
+        tiers = GaugeMetricFamily(
+            "nostall_pipeline_tier",
+            "1 for each tier holding some of a pipeline's weights (gpu, host, disk).",
+            labels=["model", "tier"],
+        )
+        if s is not None:
+            for model, n in s.get("queue_by_model", {}).items():
+                queue.add_metric([model], n)
+            wait.add_metric([], s.get("estimated_wait_s") or 0.0)
+            for model, seconds in s.get("switch_s", {}).items():
+                price.add_metric([model], seconds)
+            for model, held in s.get("models", {}).items():
+                for tier in held:
+                    tiers.add_metric([model, tier], 1)
+        yield from (queue, wait, price, tiers)
 
 
 class _VideoCounts:

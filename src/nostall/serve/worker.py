@@ -185,6 +185,7 @@ class Worker:
         self._lineup = Lineup(config.schedule, self.cache, self.runner.without)
         self.preemption = Preemption(self)
         self.runner.on_step = self.preemption
+        self.metrics.watch_placement(self.status)
         self._cond = threading.Condition()
         self._accepting = False
         self._deadline: float | None = None  # monotonic: when drain or shutdown must end
