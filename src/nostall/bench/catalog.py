@@ -225,9 +225,14 @@ def _compare(images: dict, refs: dict) -> dict[str, Any]:
 
 
 def _budget_run(
-    store: str, budget: int, cfg: dict[str, Any], log: Callable[[str], None]
+    store: str,
+    budget: int,
+    cfg: dict[str, Any],
+    log: Callable[[str], None],
+    progress: Callable[[dict[str, Any]], None] = lambda out: None,
 ) -> dict[str, Any]:
-    """Every system over one stream at one device budget, ``cfg["rounds"]`` rounds."""
+    """Every system over one stream at one device budget, ``cfg["rounds"]`` rounds;
+    ``progress(out)`` after each pass (``out`` as far as it goes)."""
     res, steps = cfg["res"], cfg["steps"]
     out: dict[str, Any] = {"budget_bytes": budget, "passes": {s: [] for s in cfg["systems"]}}
     nostall = _Nostall(store, cfg["device"], budget, cfg["max_queue"])
@@ -275,6 +280,7 @@ def _budget_run(
                     p = _pass(nostall, url, stream, slo, res, steps, log, r)
                     nostall.close()
                     out["passes"]["nostall"].append(p)
+                    progress(out)
                 elif which == "peers" and peers:
                     nostall.close()
                     if peer is None:
@@ -288,6 +294,7 @@ def _budget_run(
                         if refs is None and name == "lru-pinned":
                             refs = p.pop("_images")
                         out["passes"][name].append(p)
+                        progress(out)
             if peer is not None and r == cfg["rounds"] - 1:
                 peer.shut()
                 peer = None
@@ -491,7 +498,22 @@ def run_catalog_bench(
     for i, gb in enumerate(budgets_gb):
         budget = int(gb * 1e9 * scale)
         cfg["preempt_now"] = preempt and i == 0
-        report["budgets"][f"{gb:g}"] = _budget_run(store, budget, cfg, log)
+        key = f"{gb:g}"
+
+        def partial(out: dict[str, Any], key: str = key) -> None:
+            if save is None:
+                return
+            passes = {
+                name: [{k: v for k, v in p.items() if k != "_images"} for p in ps]
+                for name, ps in out["passes"].items()
+            }
+            medians = {name: _medians(ps) for name, ps in passes.items() if ps}
+            run = {**out, "passes": passes, "medians": medians, "complete": False}
+            cut = {**report, "budgets": {**report["budgets"], key: run}}
+            save({**cut, "targets": evaluate_targets(cut)})
+
+        report["budgets"][key] = _budget_run(store, budget, cfg, log, partial)
+        report["budgets"][key]["complete"] = True
         report["targets"] = evaluate_targets(report)
         if save is not None:
             save(report)
