@@ -36,16 +36,22 @@ def _post(url, body):
     return r.json(), seconds
 
 
+def _warm(url) -> tuple[float, int]:
+    """Both pipelines warm and their estimates learned: the short job's SLO and the long
+    job's steps (~15 SLOs)."""
+    for _ in range(2):  # the second of each: warm
+        _, flux_4 = _post(url, _body("flux", 1, 4, 128))
+        _, short = _post(url, _body("sdxl", 1, 2, 32))
+    slo_s = max(0.3, 4 * short)  # on time only if it need not wait for the long job
+    return slo_s, min(150, max(40, int(15 * slo_s / (flux_4 / 4))))
+
+
 def _race(store, preempt: bool):
     """Warm both pipelines, then the long FLUX job straight, then again with a short SDXL
     job sent while it runs; everything measured."""
     worker = Worker(store, device="cpu", max_queue=8, preempt=preempt)
     with Server(create_app(worker)) as srv:
-        for _ in range(2):  # the second of each: warm, and the estimates learned
-            _, flux_4 = _post(srv.url, _body("flux", 1, 4, 128))
-            _, short = _post(srv.url, _body("sdxl", 1, 2, 32))
-        slo_s = max(0.3, 4 * short)  # on time only if it need not wait for the long job
-        steps = min(150, max(40, int(15 * slo_s / (flux_4 / 4))))  # the long job: ~15 SLOs
+        slo_s, steps = _warm(srv.url)
         straight, _ = _post(srv.url, _body("flux", 7, steps, 128))
         got = {}
         long = threading.Thread(
@@ -83,3 +89,22 @@ def test_with_preemption_off_the_short_job_is_refused_at_once_as_it_would_be_lat
     assert short_s < slo_s  # at once, not after waiting
     assert "preempted_by" not in paused["nostall"] and status["preemptions"] == 0
     assert paused["data"][0]["b64_json"] == straight["data"][0]["b64_json"]
+
+
+@pytest.mark.slow
+def test_a_paused_job_whose_client_left_is_dropped_at_its_next_step(store):
+    from nostall.errors import Cancelled
+
+    worker = Worker(store, device="cpu", max_queue=8)
+    with Server(create_app(worker)) as srv:
+        slo_s, steps = _warm(srv.url)
+        future, left = worker.submit(worker.image_job(_body("flux", 7, steps, 128)))
+        while worker.status()["running"] is None:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        r, _ = _send(srv.url, _body("sdxl", 3, 2, 32, slo_ms=int(slo_s * 1000)))
+        assert r.status_code == 200 and worker.status()["preemptions"] == 1
+        left.set()  # the long job's client goes away while it runs on
+        with pytest.raises(Cancelled, match="went away"):
+            future.result(timeout=120)
+        assert worker.status()["running"] is None

@@ -17,7 +17,9 @@ paused job might share), whose missing weights fit in the device tier beside wha
 held (the paused pipeline cannot leave, and a switch that found no room would fail the
 short job). One preemption at a time (a preempting job is not itself paused). Its time
 is the paused job's ``preempted`` phase, left out of that job's denoise time; the
-paused job's answer lists what ran inside it (``info["preempted_by"]``).
+paused job's answer lists what ran inside it (``info["preempted_by"]``). A paused job
+whose client left meanwhile is dropped at its next step (:class:`~nostall.Cancelled`),
+its memory given back, instead of running to the end for nobody.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import logging
 import time
 from typing import Any
 
-from nostall.errors import NostallError
+from nostall.errors import Cancelled, NostallError
 from nostall.serve.jobs import GenerateJob, ImageJob, VideoJob
 from nostall.serve.prices import placement
 
@@ -88,6 +90,11 @@ class Preemption:
         if self._inside or not w.config.preempt or w._stop.is_set():
             return 0.0
         with w._cond:
+            if id(job) in self._by and any(
+                t.job is job and t.cancelled.is_set() for t in w._running
+            ):
+                # paused before, and its client left since: dropped here, its memory back
+                raise Cancelled(f"the client went away; stopped after {steps} denoiser calls")
             if not any(self.allowed(t, job.model) for t in w._queue):
                 return 0.0
         room = self._room()  # (asks the cache: not under the queue's lock)
