@@ -710,6 +710,55 @@ def video_targets(doc: Doc) -> str:
     return targets_table(doc, "video")
 
 
+def catalog(doc: Doc) -> str:
+    """Every ``nostall bench catalog`` run: per device budget and system, the medians of
+    the interleaved rounds; then the preemption part of each run."""
+    rows, pre = [], []
+    for name, r in sorted(doc.runs.items(), key=lambda kv: kv[1].get("date", "")):
+        if r.get("benchmark") != "catalog":
+            continue
+        for gb, run in r.get("budgets", {}).items():
+            for system, m in run.get("medians", {}).items():
+                tiers = {}
+                for p in run["passes"].get(system, []):
+                    for t, n in (p.get("switch_tiers") or {}).items():
+                        tiers[t] = tiers.get(t, 0) + n
+                rows.append(
+                    [
+                        f"{gb} GB" + ("" if run.get("complete", True) else " (cut short)"),
+                        system,
+                        NA if m["slo_attainment"] is None else f"{m['slo_attainment']:.0%}",
+                        NA if m["goodput_per_s"] is None else f"{m['goodput_per_s']:.2f}",
+                        secs(m["latency_p50_s"], 2),
+                        secs(m["latency_p99_s"], 2),
+                        secs(m["weights_stall_s"], 2),
+                        ", ".join(f"{t} {n}" for t, n in sorted(tiers.items())) or "0",
+                        NA if m["gpu_busy_share"] is None else f"{m['gpu_busy_share']:.0%}",
+                        f"{m['lost'] or 0:.0f}",
+                        str(len(run["passes"].get(system, []))),
+                        doc.link(name),
+                    ]
+                )
+            x = run.get("preemption")
+            if x:
+                pre.append(
+                    f"- {doc.link(name)}, {gb} GB: FLUX {x['long']['side']}² {x['long']['steps']} "
+                    f"steps {secs(x['long']['straight_s'], 2)} straight, "
+                    f"{secs(x['long']['paused_s'], 2)} paused for "
+                    f"{', '.join(b['model'] for b in x['preempted_by']) or 'nothing'}; the short "
+                    f"SDXL request {secs(x['short']['latency_s'], 2)} (SLO "
+                    f"{secs(x['short']['slo_s'], 2)}); the paused image "
+                    f"{'equals' if x['equal'] else '**differs from**'} the straight one"
+                )
+    head = ["budget", "system", "SLO met", "goodput/s", "p50", "p99", "waited for weights",
+            "switches by tier", "GPU busy", "lost", "rounds", "run"]  # fmt: skip
+    return table(head, rows) + ("\n\n" + "\n".join(pre) if pre else "")
+
+
+def catalog_targets(doc: Doc) -> str:
+    return targets_table(doc, "catalog")
+
+
 BLOCKS: dict[str, Callable[[Doc], str]] = {
     "load-warm": load_warm,
     "load-cold": load_cold,
@@ -738,4 +787,6 @@ BLOCKS: dict[str, Callable[[Doc], str]] = {
     "remote-targets": remote_targets,
     "video": video,
     "video-targets": video_targets,
+    "catalog": catalog,
+    "catalog-targets": catalog_targets,
 }
