@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from conftest import Server
 from nostall.serve.app import create_app
+from nostall.serve.local import BackgroundServer as Server
 from nostall.serve.worker import Worker
 
 
