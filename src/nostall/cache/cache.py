@@ -46,6 +46,8 @@ from nostall.adapters import Fusions, Lora, Shelf, check_fits, lora_bytes, lora_
 from nostall.adapters.lora import adaptable
 from nostall.cache import placement
 from nostall.cache.config import CacheConfig, resolve_config
+from nostall.cache.controlnets import attached as attach_controlnet
+from nostall.cache.controlnets import listed as listed_controlnets
 from nostall.cache.device import DeviceTier, Slot
 from nostall.cache.experts import expert_roles, use_experts
 from nostall.cache.holds import Hold, Holds
@@ -59,7 +61,6 @@ from nostall.errors import (
     BudgetExceeded,
     ClosedError,
     InternalError,
-    UnknownModel,
     UnsupportedError,
 )
 from nostall.memory.events import event_done
@@ -243,7 +244,7 @@ class ModelCache:
         base = name
         experts = None
         if controlnet is not None:
-            name = self._with_controlnet(name, controlnet)
+            name = attach_controlnet(self.store, self._controlnets, name, controlnet)
         else:
             experts = expert_roles(self.store.entry(name), _roles(without))
         if experts is not None:
@@ -266,36 +267,7 @@ class ModelCache:
 
     def controlnets(self) -> list[str]:
         """The ControlNet names under ``<store>/controlnets``."""
-        folder = self._controlnets
-        if folder is None or not os.path.isdir(folder):
-            return []
-        return sorted(
-            n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n, "config.json"))
-        )
-
-    def _with_controlnet(self, base: str, controlnet: str | os.PathLike) -> str:
-        """The store's name for ``base`` with ``controlnet`` (a name or a folder) attached."""
-        import difflib
-        import hashlib
-
-        given = os.fspath(controlnet)
-        named = os.path.join(self._controlnets, given) if self._controlnets else None
-        if named is not None and os.sep not in given and os.path.isdir(named):
-            return self.store.with_controlnet(base, named, given)
-        if os.path.isdir(given):
-            path = os.path.abspath(given)
-            tag = hashlib.sha256(path.encode()).hexdigest()[:8]
-            return self.store.with_controlnet(base, path, f"{os.path.basename(path)}#{tag}")
-        names = self.controlnets()
-        close = difflib.get_close_matches(given, names)
-        raise UnknownModel(
-            f"no ControlNet {given!r} in {self._controlnets or '(no store folder: give a path)'}"
-            + (f"; did you mean {', '.join(close)}?" if close else "")
-            + (f" (there: {', '.join(names[:20])})" if names else ""),
-            name=given,
-            available=names,
-            close=close,
-        )
+        return listed_controlnets(self._controlnets)
 
     def _attach(
         self, name: str, pipe: Any, wanted: list[tuple[str, float]], without: frozenset[str]
@@ -570,10 +542,10 @@ class ModelCache:
         rows: dict[str, ComponentSwitch] = {}
         evicted: list[str] = []
         self._host.begin()
-        missing = []
+        missing, priors = [], {}
         for c in comps:
             self._host.bind(c)
-            prior = self._host.request(c.digest)
+            prior = priors[c.digest] = self._host.request(c.digest)
             slot = self._tier.slots.get(c.digest)
             if slot is not None and slot.ready:
                 rows[c.digest] = ComponentSwitch(
@@ -589,7 +561,25 @@ class ModelCache:
         except BudgetExceeded:
             # Going back to old offsets can cut the free space into runs too short for the
             # largest component: place this switch's new slots again, best fit only.
-            moves, waited = self._place_all(missing, keep, mode, evicted, sticky=False)
+            try:
+                moves, waited = self._place_all(missing, keep, mode, evicted, sticky=False)
+            except BudgetExceeded:
+                # Its own resident components can cut the tier so (a shared text encoder
+                # between the runs a transformer needs): those not in use leave too, and
+                # everything is placed again, largest first.
+                again = [
+                    c
+                    for c in comps
+                    if c.digest in rows and self._evictable(self._tier.slots[c.digest], set(), mode)
+                ]
+                if not again or mode == "prefetch":
+                    raise
+                for c in again:
+                    self._evict_slot(self._tier.slots[c.digest], evicted)
+                    del rows[c.digest]
+                    missing.append((c, priors[c.digest], *self._modules.plan(c)))
+                missing.sort(key=lambda m: -m[2].target_bytes)
+                moves, waited = self._place_all(missing, keep, mode, evicted, sticky=False)
         for mv, (_, prior, plan, _) in zip(moves, missing, strict=True):
             if mv.tier == "disk":
                 mv.cached = self._host.admit(mv.c.digest, plan.host_bytes, prior, keep)
@@ -622,8 +612,6 @@ class ModelCache:
                 )
                 inst.build_s = 0.0  # reported once, by the switch that built it
         except BudgetExceeded:
-            if not sticky:
-                raise
             for mv in moves:
                 if not mv.in_place:  # nothing was copied yet: give the new slots back
                     self._evict_slot(mv.slot)
