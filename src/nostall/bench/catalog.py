@@ -274,6 +274,9 @@ def _budget_run(
             order = ["nostall", "peers"] if r % 2 == 0 else ["peers", "nostall"]
             for which in order:
                 if which == "nostall" and "nostall" in cfg["systems"]:
+                    if peer is not None:  # one system's CPU copies in memory at a time
+                        peer.shut()
+                        peer = None
                     if nostall.worker is None:
                         url = nostall.open()
                         _warm(url, res, steps, twice=False)
@@ -298,9 +301,6 @@ def _budget_run(
                             refs = p.pop("_images")
                         out["passes"][name].append(p)
                         progress(out)
-            if peer is not None and r == cfg["rounds"] - 1:
-                peer.shut()
-                peer = None
         if refs is None and out["passes"].get("lru-pageable"):
             refs = out["passes"]["lru-pageable"][0].get("_images")
     finally:
