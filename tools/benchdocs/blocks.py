@@ -751,7 +751,7 @@ def catalog(doc: Doc) -> str:
                     f"{'equals' if x['equal'] else '**differs from**'} the straight one"
                 )
     head = ["budget", "system", "SLO met", "goodput/s", "p50", "p99", "waited for weights",
-            "switches by tier", "GPU busy", "lost", "rounds", "run"]  # fmt: skip
+            "switches by tier (all rounds)", "GPU busy", "lost", "rounds", "run"]  # fmt: skip
     return table(head, rows) + ("\n\n" + "\n".join(pre) if pre else "")
 
 
