@@ -162,3 +162,22 @@ def test_the_catalog_bench_runs_on_a_gpu_with_the_pinned_peer(tmp_path):
     # (tiny jobs on a GPU end too fast for a pause to pay: only the image is held here;
     # the CPU test and the real-size run measure the pause itself)
     assert run["preemption"]["equal"] and run["preemption"]["short"]["status"] == 200
+
+
+def test_a_malformed_trace_is_refused_naming_its_row(tmp_path):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("at_s,model\n0.0,sdxl\nsoon,flux\n")
+    args = ["bench", "catalog", "--device", "cpu", "--trace", str(trace), "--requests", "4"]
+    args += [
+        "--budget-gb",
+        "44",
+        "--work",
+        str(tmp_path / "work"),
+        "--out",
+        str(tmp_path / "o.json"),
+    ]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "row 3" in result.output and "at_s" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "o.json").exists()
+    assert not (tmp_path / "work").exists()  # refused before a store was written

@@ -194,10 +194,16 @@ def _warm(url: str, res: int, steps: int, twice: bool) -> dict[str, Any]:
 
 
 def _stream(
-    trace: str | None, requests: int, alpha: float, rate: float, burst_x: float, seed: int
+    trace: list[Arrival] | None,
+    requests: int,
+    alpha: float,
+    rate: float,
+    burst_x: float,
+    seed: int,
 ) -> list[Arrival]:
+    """``requests`` arrivals at ``rate``: the trace's first (read up front), or drawn."""
     if trace:
-        return scale_to_rate(read_trace(trace, CATALOG, limit=requests), rate)
+        return scale_to_rate(trace[:requests], rate)
     span = requests / rate
     return draw(
         CATALOG,
@@ -245,7 +251,7 @@ def _budget_run(
         warm = _warm(url, res, steps, twice=True)
         out["warm_up_s"] = {"nostall": time.perf_counter() - t}
         slo = {m: cfg["slo_scale"] * s for m, s in warm.items()}
-        probe = _stream(cfg["trace"], _CALIBRATION, cfg["alpha"], 1.0, 1.0, cfg["seed"] + 1)
+        probe = _stream(cfg["arrivals"], _CALIBRATION, cfg["alpha"], 1.0, 1.0, cfg["seed"] + 1)
         closed = [Arrival(0.0, a.model) for a in probe]
         t = time.perf_counter()
         for k, a in enumerate(closed):  # one at a time, back to back
@@ -255,7 +261,7 @@ def _budget_run(
         capacity = len(closed) / (time.perf_counter() - t)
         rate = cfg["load"] * capacity
         stream = _stream(
-            cfg["trace"], cfg["requests"], cfg["alpha"], rate, cfg["burst_x"], cfg["seed"]
+            cfg["arrivals"], cfg["requests"], cfg["alpha"], rate, cfg["burst_x"], cfg["seed"]
         )
         out.update(
             warm_latency_s=warm,
@@ -460,6 +466,9 @@ def run_catalog_bench(
         raise ArgumentError(f"budgets_gb={budgets_gb!r}: give device budgets > 0 GB")
     if not 0 < load <= 2:
         raise ArgumentError(f"load={load!r}: give a share of the capacity in (0, 2]")
+    # a trace file is read (and refused, naming its row) before a store is written
+    n = requests or _SIZES[size]["requests"]
+    arrivals = read_trace(trace, CATALOG, limit=max(n, _CALIBRATION)) if trace else None
     work = work or ("/tmp/nostall-bench/catalog" if size == "full" else tempfile.mkdtemp())
     os.makedirs(work, exist_ok=True)
     store = models or _write_store(work, size, device, dict(elsewhere or {}), log)
@@ -498,6 +507,7 @@ def run_catalog_bench(
         "config": {**cfg, "budgets_gb": list(budgets_gb), "budget_scale": scale},
         "budgets": {},
     }
+    cfg["arrivals"] = arrivals
     for i, gb in enumerate(budgets_gb):
         budget = int(gb * 1e9 * scale)
         cfg["preempt_now"] = preempt and i == 0
