@@ -181,3 +181,26 @@ def test_a_malformed_trace_is_refused_naming_its_row(tmp_path):
     assert "row 3" in result.output and "at_s" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "o.json").exists()
     assert not (tmp_path / "work").exists()  # refused before a store was written
+
+
+@pytest.mark.slow
+def test_with_a_host_budget_smaller_than_the_catalog_both_systems_read_the_store(tmp_path):
+    report = catalog.run_catalog_bench(
+        device="cpu",
+        requests=10,
+        rounds=1,
+        budgets_gb=(44.0,),
+        host_budget_gb=25.0,  # (scaled: under half of the catalog's copies)
+        systems=("nostall", "lru-pageable"),
+        preempt=False,
+        work=str(tmp_path),
+        log=lambda line: None,
+    )
+    run = report["budgets"]["44"]
+    assert report["config"]["host_budget_gb"] == 25.0
+    for system in ("nostall", "lru-pageable"):
+        p = run["passes"][system][0]
+        assert p["lost"] == 0, (system, p["statuses"])
+        assert p["switch_tiers"].get("disk", 0) > 0, (system, p["switch_tiers"])
+    # every image still the other system's (the first pageable pass: the references here)
+    assert run["passes"]["nostall"][0]["images"]["unequal"] == 0

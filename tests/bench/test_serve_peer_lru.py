@@ -171,10 +171,39 @@ def test_images_equal_plain_diffusers_after_evictions(store, peer):
             assert np.array_equal(_png(png), refs[name]), name
             assert info["order"] == i + 1
             assert set(info["phases"]) == {"queue", "switch", "run", "total"}
+            assert {c["tier"] for c in info["components"]} <= {"host"}  # all in RAM
         # sdxl evicted flux's components, flux-b and flux brought them back
         assert p.switches[1]["evicted"] and p.switches[2]["evicted"]
     finally:
         p.close()
+
+
+def test_beyond_its_host_budget_a_copy_is_read_from_the_store_again_and_draws_the_same(store, peer):
+    names = ("flux", "sdxl")
+    host = max(_bytes(peer, "flux"), _bytes(peer, "sdxl"))  # one pipeline's copies at a time
+    p = LruPeer(
+        {n: store[n] for n in names},
+        device="cpu",
+        budget_bytes=host,  # one pipeline on the "device"
+        host_budget_bytes=host,
+    )
+    p.load()
+    try:
+        assert sum(p.on_cpu.values()) <= host  # the boot kept what fits
+        refs = {n: _reference(store[n], _job(n)) for n in names}
+        for name in ("flux", "sdxl", "flux", "sdxl"):
+            png, info = p.generate(_job(name), time.perf_counter())
+            assert np.array_equal(_png(png), refs[name]), name
+            assert sum(p.on_cpu.values()) <= host, name
+            read = p.switches[-1]["from_store"]
+            tiers = {c["role"]: c["tier"] for c in info["components"]}
+            assert {k for k, t in tiers.items() if t == "disk"} == set(read)
+        # the second flux and sdxl found their copies gone and read them again
+        assert p.switches[2]["from_store"] and p.switches[3]["from_store"]
+    finally:
+        p.close()
+    with pytest.raises(ArgumentError, match="host_budget_bytes"):
+        LruPeer({"flux": store["flux"]}, device="cpu", budget_bytes=1, host_budget_bytes=0)
 
 
 def test_pinned_copies_need_a_cuda_device(store, peer):

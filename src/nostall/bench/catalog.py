@@ -30,9 +30,12 @@ Every image is held to the first pinned peer pass's image for the same request (
 bit). After the first budget's rounds, the preemption part: a long FLUX job (1024², 28
 steps at full size) run straight, then again with a short SDXL request sent a quarter of
 the way in: is the long one paused at a step for it (:mod:`nostall.serve.preempt`), does
-the short one meet its SLO, is the long one's image the straight one's? Not built yet: a
-configuration whose host budget is smaller than the catalog (every switch here reads
-the host tier or the device).
+the short one meet its SLO, is the long one's image the straight one's?
+
+``host_budget_gb`` (scaled like the device budgets at tiny size): the CPU memory each
+system may keep copies in, smaller than the catalog in the configuration where some
+switches read the store: nostall's host tier (``Worker(host_budget=...)``) and the peer's
+CPU copies (least recently used ones dropped and read again with ``from_pretrained``).
 """
 
 from __future__ import annotations
@@ -103,8 +106,9 @@ class _Nostall:
     name = "nostall"
     send_slo = True
 
-    def __init__(self, store: str, device: str, budget: int, max_queue: int):
+    def __init__(self, store: str, device: str, budget: int, max_queue: int, host: int | None):
         self.store, self.device, self.budget, self.max_queue = store, device, budget, max_queue
+        self.host = host
         self.stack: contextlib.ExitStack | None = None
         self.worker: Any = None
 
@@ -115,7 +119,11 @@ class _Nostall:
 
         self.stack = contextlib.ExitStack()
         self.worker = Worker(
-            self.store, device=self.device, gpu_budget=self.budget, max_queue=self.max_queue
+            self.store,
+            device=self.device,
+            gpu_budget=self.budget,
+            max_queue=self.max_queue,
+            **({} if self.host is None else {"host_budget": self.host}),
         )
         return self.stack.enter_context(BackgroundServer(create_app(self.worker))).url
 
@@ -136,11 +144,13 @@ class _Peer:
 
     send_slo = False
 
-    def __init__(self, store: str, device: str, budget: int):
+    def __init__(self, store: str, device: str, budget: int, host: int | None):
         from nostall.bench.serve_peer_lru import LruPeer
 
         folders = {n: os.path.join(store, n) for n in CATALOG}
-        self.peer = LruPeer(folders, device=device, budget_bytes=budget, pinned=False)
+        self.peer = LruPeer(
+            folders, device=device, budget_bytes=budget, pinned=False, host_budget_bytes=host
+        )
         self.stack: contextlib.ExitStack | None = None
         self.name = "lru-pageable"
 
@@ -241,7 +251,7 @@ def _budget_run(
     ``progress(out)`` after each pass (``out`` as far as it goes)."""
     res, steps = cfg["res"], cfg["steps"]
     out: dict[str, Any] = {"budget_bytes": budget, "passes": {s: [] for s in cfg["systems"]}}
-    nostall = _Nostall(store, cfg["device"], budget, cfg["max_queue"])
+    nostall = _Nostall(store, cfg["device"], budget, cfg["max_queue"], cfg["host_bytes"])
     peer = None
     refs: dict | None = None
     try:
@@ -293,7 +303,7 @@ def _budget_run(
                 elif which == "peers" and peers:
                     nostall.close()
                     if peer is None:
-                        peer = _Peer(store, cfg["device"], budget)
+                        peer = _Peer(store, cfg["device"], budget, cfg["host_bytes"])
                         out["peer_load_s"] = peer.load()
                         warmed = False
                     for name in peers:
@@ -333,7 +343,7 @@ def _preempt_part(
 
     side, steps = _LONG[cfg["size"]]
     long = Arrival(0.0, "flux", steps=steps)
-    nostall = _Nostall(store, cfg["device"], budget, cfg["max_queue"])
+    nostall = _Nostall(store, cfg["device"], budget, cfg["max_queue"], cfg["host_bytes"])
     try:
         url = nostall.open()
         _warm(url, cfg["res"], cfg["steps"], twice=False)
@@ -439,6 +449,7 @@ def run_catalog_bench(
     burst_x: float = 4.0,
     slo_scale: float = 3.0,
     max_queue: int = 16,
+    host_budget_gb: float | None = None,
     res: int | None = None,
     steps: int | None = None,
     trace: str | None = None,
@@ -464,6 +475,8 @@ def run_catalog_bench(
         raise ArgumentError(f"systems must be some of {SYSTEMS}, got {tuple(systems)!r}")
     if not budgets_gb or any(not b > 0 for b in budgets_gb):
         raise ArgumentError(f"budgets_gb={budgets_gb!r}: give device budgets > 0 GB")
+    if host_budget_gb is not None and not host_budget_gb > 0:
+        raise ArgumentError(f"host_budget_gb={host_budget_gb!r}: give a budget > 0 GB, or None")
     if not 0 < load <= 2:
         raise ArgumentError(f"load={load!r}: give a share of the capacity in (0, 2]")
     # a trace file is read (and refused, naming its row) before a store is written
@@ -491,6 +504,7 @@ def run_catalog_bench(
         "burst_x": burst_x,
         "slo_scale": slo_scale,
         "max_queue": max_queue,
+        "host_budget_gb": host_budget_gb,
         "res": res or defaults["res"],
         "steps": steps or defaults["steps"],
         "trace": trace,
@@ -508,6 +522,7 @@ def run_catalog_bench(
         "budgets": {},
     }
     cfg["arrivals"] = arrivals
+    cfg["host_bytes"] = None if host_budget_gb is None else int(host_budget_gb * 1e9 * scale)
     for i, gb in enumerate(budgets_gb):
         budget = int(gb * 1e9 * scale)
         cfg["preempt_now"] = preempt and i == 0

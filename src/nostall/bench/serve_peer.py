@@ -326,7 +326,10 @@ def create_peer_app(peer: PeerWorker):
                     "seed": job.seed,
                     "order": info["order"],
                     "phases": info["phases"],
-                    "switch": {"components": [], "total_s": info["phases"]["switch"]},
+                    "switch": {
+                        "components": info.get("components", []),  # (LruPeer names them)
+                        "total_s": info["phases"]["switch"],
+                    },
                     "peer": peer.mode,
                 },
             }

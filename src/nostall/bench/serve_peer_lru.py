@@ -66,6 +66,10 @@ class LruPeer:
     ``folders``: pipeline name → diffusers folder. ``budget_bytes``: the most weight bytes
     kept on ``device``; every pipeline must fit alone. ``pinned``: the CPU copies
     page-locked (a CUDA device only); :meth:`set_pinned` changes it later.
+    ``host_budget_bytes``: the most bytes of CPU copies kept (``None``: all of them);
+    beyond it the least recently used copies not on the device are dropped and read
+    again from the store (``from_pretrained`` of the component) when next wanted, as a
+    team whose RAM cannot hold its catalog does.
 
     :meth:`load` reads every pipeline into CPU memory (the server's boot); :meth:`switch`
     makes one pipeline resident; :meth:`generate` switches and runs a job; :meth:`close`
@@ -86,6 +90,7 @@ class LruPeer:
         device: str | torch.device,
         budget_bytes: int,
         pinned: bool = False,
+        host_budget_bytes: int | None = None,
     ):
         from nostall.transfer.loader import resolve_device
 
@@ -97,6 +102,15 @@ class LruPeer:
         self.folders = dict(folders)
         self.device = resolve_device(device)
         self.budget_bytes = budget_bytes
+        if host_budget_bytes is not None and (
+            not isinstance(host_budget_bytes, int) or host_budget_bytes <= 0
+        ):
+            raise ArgumentError(
+                f"host_budget_bytes={host_budget_bytes!r}; give the CPU copies' budget in "
+                "bytes (> 0), or None for all of them",
+                field="host_budget_bytes",
+            )
+        self.host_budget_bytes = host_budget_bytes
         self._check_pinnable(pinned)
         self._pinned = pinned
         self.pipes: dict[str, Any] = {}
@@ -113,6 +127,9 @@ class LruPeer:
         self._kept: dict[str, Kept] = {}
         self._registered: set[str] = set()  # keys whose flat buffer is page-locked
         self._by_identity: dict[tuple, str] = {}
+        # key → (component folder, class, dtype): where a dropped CPU copy is read again
+        self._source: dict[str, tuple[str, type, torch.dtype]] = {}
+        self.on_cpu: OrderedDict[str, int] = OrderedDict()  # CPU copies, least recent first
         self._state = "new"  # "new" → "loaded" → "closed"
 
     @property
@@ -154,6 +171,7 @@ class LruPeer:
                         f"or leave {name!r} out",
                         field="budget_bytes",
                     )
+            self._trim_host(keep=())
         self._state = "loaded"
         self.load_s = time.perf_counter() - t
         return self.load_s
@@ -194,6 +212,7 @@ class LruPeer:
             key = shared.get(role)
             if key is None:
                 key = f"{name}/{role}"
+                self._source[key] = (os.path.join(folder, role), type(module), dtype)
                 self._own(key, module)
                 for i in identities.get(role, ()):
                     self._by_identity.setdefault(i, key)
@@ -245,8 +264,54 @@ class LruPeer:
         self.component_bytes[key] = used
         self._flat[key] = flat
         self._kept[key] = kept
+        self.on_cpu[key] = used
+        self.on_cpu.move_to_end(key)
         if self._pinned:
             self._register(key)
+
+    def _trim_host(self, keep: Any) -> None:
+        """Drop the least recently used CPU copies, of components neither on the device
+        nor in ``keep``, until the copies fit ``host_budget_bytes``."""
+        if self.host_budget_bytes is None:
+            return
+        for key in list(self.on_cpu):
+            if sum(self.on_cpu.values()) <= self.host_budget_bytes:
+                return
+            if key not in self.resident and key not in keep:
+                self._drop(key)
+
+    def _drop(self, key: str) -> None:
+        """Let ``key``'s CPU copy go: its module keeps its shapes, on ``meta``, until
+        :meth:`_reload` reads it from the store again."""
+        self._unregister(key)
+        for module, name, is_param, t in self._kept.pop(key):
+            placeholder = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            if is_param:  # (a CPU parameter's data cannot become meta: a new Parameter)
+                grad = getattr(module, name).requires_grad
+                module._parameters[name] = torch.nn.Parameter(placeholder, requires_grad=grad)
+            else:
+                setattr(module, name, placeholder)
+        del self._flat[key], self._segments[key], self.on_cpu[key]
+
+    def _reload(self, key: str) -> None:
+        """Read ``key``'s component from the store again (diffusers' or transformers'
+        ``from_pretrained`` of its folder) into a CPU copy the peer owns."""
+        folder, cls, dtype = self._source[key]
+        fresh = cls.from_pretrained(folder, torch_dtype=dtype)
+        # by qualified name, buffers that are not saved (position ids) included
+        got = dict(fresh.named_parameters(remove_duplicate=False))
+        got.update(fresh.named_buffers(remove_duplicate=False))
+        ours = self.modules[key]
+        for qual, m in ours.named_modules(remove_duplicate=False):
+            for n, p in list(m._parameters.items()):
+                if p is not None:
+                    t = got[f"{qual}.{n}" if qual else n]
+                    m._parameters[n] = torch.nn.Parameter(t.data, requires_grad=p.requires_grad)
+            for n, b in list(m._buffers.items()):
+                if b is not None:
+                    m._buffers[n] = got[f"{qual}.{n}" if qual else n]
+        del fresh, got
+        self._own(key, ours)
 
     def _register(self, key: str) -> None:
         # Our own buffers, registered: torch's pin_memory() copies into its caching host
@@ -318,13 +383,16 @@ class LruPeer:
                 close=difflib.get_close_matches(name, known),
             )
         need = self.uses[name]
-        record: dict[str, Any] = {"model": name, "moved": {}, "evicted": []}
+        record: dict[str, Any] = {"model": name, "moved": {}, "evicted": [], "from_store": {}}
         missing = [k for k in need if k not in self.resident]
         seconds = 0.0
         if missing:
             sync(self.device)
             t = time.perf_counter()
             for key in missing:
+                if key not in self._flat:  # its CPU copy was dropped: read it again
+                    self._reload(key)
+                    record["from_store"][key] = self.component_bytes[key]
                 size = self.component_bytes[key]
                 while self.resident_bytes() + size > self.budget_bytes:
                     # load() refused a pipeline larger than the budget, so a victim remains
@@ -345,6 +413,8 @@ class LruPeer:
             seconds = time.perf_counter() - t
         for key in need:
             self.resident.move_to_end(key)
+            self.on_cpu.move_to_end(key)
+        self._trim_host(keep=need)
         record["moved_bytes"] = sum(record["moved"].values())
         record["switch_s"] = seconds
         self.switches.append(record)
@@ -384,7 +454,12 @@ class LruPeer:
             "run": run_s,
             "total": end - arrived,
         }
-        return buf.getvalue(), {"order": self.order, "phases": phases}
+        last = self.switches[-1]
+        moved = [
+            {"role": k, "tier": "disk" if k in last["from_store"] else "host", "nbytes": n}
+            for k, n in last["moved"].items()
+        ]
+        return buf.getvalue(), {"order": self.order, "phases": phases, "components": moved}
 
     def close(self) -> None:
         """Point every module back at its CPU copy, release the pins and drop everything.

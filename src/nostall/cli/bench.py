@@ -351,6 +351,12 @@ def bench_catalog(
         3.0, callback=in_range(1.0), help="Each request's SLO: its model's warm latency times this."
     ),
     max_queue: int = typer.Option(16, callback=in_range(1), help="nostall's --max-queue."),
+    host_budget_gb: float = typer.Option(
+        None,
+        callback=in_range(0.001),
+        help="CPU memory each system keeps copies in (default: all of the catalog); smaller "
+        "than the catalog, some switches read the store.",
+    ),
     trace: str = typer.Option(
         None, help="Replay a trace file (Katz JSON, GenTD26 CSV, or at_s,model CSV) instead."
     ),
@@ -395,6 +401,7 @@ def bench_catalog(
             burst_x=burst_x,
             slo_scale=slo_scale,
             max_queue=max_queue,
+            host_budget_gb=host_budget_gb,
             trace=trace,
             work=work,
             elsewhere=away,
