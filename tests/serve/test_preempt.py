@@ -108,3 +108,39 @@ def test_a_paused_job_whose_client_left_is_dropped_at_its_next_step(store):
         with pytest.raises(Cancelled, match="went away"):
             future.result(timeout=120)
         assert worker.status()["running"] is None
+
+
+@pytest.mark.slow
+def test_a_drain_while_a_job_is_paused_ends_both_cleanly(store):
+    from nostall.errors import ShuttingDown
+
+    worker = Worker(store, device="cpu", max_queue=8)
+    with Server(create_app(worker)) as srv:
+        _, steps = _warm(srv.url)
+        estimate = worker._lineup.schedule.run_estimate
+        for _attempt in range(3):  # (a loaded machine can end the long job first: again)
+            long, _ = worker.submit(worker.image_job(_body("flux", 7, steps, 128)))
+            while worker.status()["running"] is None:
+                time.sleep(0.01)
+            time.sleep(0.1)
+            # the preempting job is long itself, a sixth of the long one by the worker's
+            # own estimates, its SLO twice its estimate (on time if it runs now, late
+            # behind the long one): the drain comes while it runs inside the paused one
+            long_s = estimate("flux", 128 * 128 * steps / 1e6)
+            n = min(150, max(4, int(long_s / 6 / estimate("sdxl", 32 * 32 / 1e6))))
+            slo_ms = int(2000 * estimate("sdxl", 32 * 32 * n / 1e6))
+            short, _ = worker.submit(worker.image_job(_body("sdxl", 3, n, 32, slo_ms=slo_ms)))
+            while not worker.preemption._inside and not long.done():
+                time.sleep(0.005)
+            if worker.preemption._inside:
+                break
+            short.result(timeout=60)
+        else:
+            pytest.fail("three long jobs ended without a pause for the short one")
+        done = threading.Event()
+        worker.drain(0.4, on_done=done.set)
+        assert done.wait(60)
+        for future in (short, long):  # each stopped at its next step, neither left hanging
+            with pytest.raises(ShuttingDown):
+                future.result(timeout=60)
+        assert worker.status()["running"] is None
