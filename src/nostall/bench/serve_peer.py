@@ -43,7 +43,15 @@ from fastapi.responses import JSONResponse
 from nostall.bench.timing import sync
 from nostall.errors import ArgumentError
 
-__all__ = ["MODES", "PeerJob", "PeerWorker", "create_peer_app", "pipeline_bytes", "probe"]
+__all__ = [
+    "MODES",
+    "PeerJob",
+    "PeerWorker",
+    "create_peer_app",
+    "pipeline_bytes",
+    "probe",
+    "run_job",
+]
 
 MODES = ("to", "from_pretrained")
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -166,33 +174,8 @@ class PeerWorker:
         """Run ``job``; its PNG and ``{"order", "phases"}``."""
         start = time.perf_counter()
         switch_s = self.switch(job.model)
-        kwargs: dict[str, Any] = {
-            "prompt": job.prompt,
-            "height": job.height,
-            "width": job.width,
-            "num_inference_steps": job.steps,
-            # seeded on the device, as the worker seeds its generator
-            "generator": torch.Generator(device=self.device.type).manual_seed(job.seed),
-            "output_type": "pil",
-        }
-        if job.max_sequence_length is not None:
-            kwargs["max_sequence_length"] = job.max_sequence_length
-        t = time.perf_counter()
-        with torch.inference_mode():
-            image = self.pipe(**kwargs).images[0]
-        sync(self.device)
-        run_s = time.perf_counter() - t
-        buf = io.BytesIO()
-        image.save(buf, format="PNG")
         self.order += 1
-        end = time.perf_counter()
-        phases = {
-            "queue": start - arrived,
-            "switch": switch_s,
-            "run": run_s,
-            "total": end - arrived,
-        }
-        return buf.getvalue(), {"order": self.order, "phases": phases}
+        return run_job(self.pipe, job, self.device, arrived, start, switch_s, self.order)
 
     def close(self) -> None:
         if self.current is not None and self.mode == "to":
@@ -205,6 +188,41 @@ class PeerWorker:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         trim_heap()
+
+
+def run_job(
+    pipe: Any,
+    job: PeerJob,
+    device: torch.device,
+    arrived: float,
+    start: float,
+    switch_s: float,
+    order: int,
+) -> tuple[bytes, dict[str, Any]]:
+    """Run ``job`` on ``pipe`` as plain diffusers would (switched to since ``start``,
+    ``switch_s`` of it the switch); its PNG and ``{"order", "phases"}`` (``queue``,
+    ``switch``, ``run``, ``total``: seconds, ``arrived`` a perf_counter)."""
+    kwargs: dict[str, Any] = {
+        "prompt": job.prompt,
+        "height": job.height,
+        "width": job.width,
+        "num_inference_steps": job.steps,
+        # seeded on the device, as the worker seeds its generator
+        "generator": torch.Generator(device=device.type).manual_seed(job.seed),
+        "output_type": "pil",
+    }
+    if job.max_sequence_length is not None:
+        kwargs["max_sequence_length"] = job.max_sequence_length
+    t = time.perf_counter()
+    with torch.inference_mode():
+        image = pipe(**kwargs).images[0]
+    sync(device)
+    run_s = time.perf_counter() - t
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    end = time.perf_counter()
+    phases = {"queue": start - arrived, "switch": switch_s, "run": run_s, "total": end - arrived}
+    return buf.getvalue(), {"order": order, "phases": phases}
 
 
 def trim_heap() -> None:

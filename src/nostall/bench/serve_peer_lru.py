@@ -38,7 +38,6 @@ from __future__ import annotations
 import difflib
 import gc
 import hashlib
-import io
 import json
 import os
 import time
@@ -47,7 +46,7 @@ from typing import Any
 
 import torch
 
-from nostall.bench.serve_peer import PeerJob, point_back, stored_dtype, trim_heap
+from nostall.bench.serve_peer import PeerJob, point_back, run_job, stored_dtype, trim_heap
 from nostall.bench.timing import sync
 from nostall.errors import ArgumentError, ClosedError, DeviceError, InternalError, UnknownModel
 
@@ -428,38 +427,16 @@ class LruPeer:
         (``queue``, ``switch``, ``run``, ``total``: seconds, ``arrived`` a perf_counter)."""
         start = time.perf_counter()
         switch_s = self.switch(job.model)
-        kwargs: dict[str, Any] = {
-            "prompt": job.prompt,
-            "height": job.height,
-            "width": job.width,
-            "num_inference_steps": job.steps,
-            # seeded on the device, as the worker and PeerWorker seed theirs
-            "generator": torch.Generator(device=self.device.type).manual_seed(job.seed),
-            "output_type": "pil",
-        }
-        if job.max_sequence_length is not None:
-            kwargs["max_sequence_length"] = job.max_sequence_length
-        t = time.perf_counter()
-        with torch.inference_mode():
-            image = self.pipes[job.model](**kwargs).images[0]
-        sync(self.device)
-        run_s = time.perf_counter() - t
-        buf = io.BytesIO()
-        image.save(buf, format="PNG")
         self.order += 1
-        end = time.perf_counter()
-        phases = {
-            "queue": start - arrived,
-            "switch": switch_s,
-            "run": run_s,
-            "total": end - arrived,
-        }
+        png, info = run_job(
+            self.pipes[job.model], job, self.device, arrived, start, switch_s, self.order
+        )
         last = self.switches[-1]
         moved = [
             {"role": k, "tier": "disk" if k in last["from_store"] else "host", "nbytes": n}
             for k, n in last["moved"].items()
         ]
-        return buf.getvalue(), {"order": self.order, "phases": phases, "components": moved}
+        return png, {**info, "components": moved}
 
     def close(self) -> None:
         """Point every module back at its CPU copy, release the pins and drop everything.
