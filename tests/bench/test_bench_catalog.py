@@ -95,13 +95,22 @@ def test_a_429_is_retried_after_its_retry_after_without_the_slo_and_counted():
 
 @pytest.mark.slow
 def test_the_catalog_bench_runs_from_the_cli_and_every_system_draws_the_same_images(tmp_path):
+    # with a host budget smaller than the catalog (scaled: under half of its copies), and
+    # a trace that cycles through the five pipelines: whatever order a system serves a
+    # burst in, a cycle over more than its tiers hold misses both (a Zipf draw of ten can
+    # stay inside what is resident, as it once did under CI's load)
+    trace = tmp_path / "cycle.csv"
+    rows = [f"{k * 0.5},m{k % 5}" for k in range(15)]
+    trace.write_text("at_s,model\n" + "\n".join(rows) + "\n")
     out = tmp_path / "catalog.json"
-    args = ["bench", "catalog", "--device", "cpu", "--requests", "10", "--rounds", "2"]
-    args += ["--budget-gb", "44", "--work", str(tmp_path / "work"), "--out", str(out)]
+    args = ["bench", "catalog", "--device", "cpu", "--requests", "6", "--rounds", "2"]
+    args += ["--budget-gb", "44", "--host-budget-gb", "25", "--trace", str(trace)]
+    args += ["--work", str(tmp_path / "work"), "--out", str(out)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["benchmark"] == "catalog" and report["date"] and "commit" in report
+    assert report["config"]["host_budget_gb"] == 25.0
     assert set(report["targets"]) == TARGETS
     run = report["budgets"]["44"]
     # a budget that holds part of the catalog: the same share as 44 GB of the full one
@@ -110,10 +119,12 @@ def test_the_catalog_bench_runs_from_the_cli_and_every_system_draws_the_same_ima
     for system, passes in run["passes"].items():
         assert len(passes) == 2, system
         for p in passes:
-            assert p["answered_200"] == 10 and p["lost"] == 0, (system, p["statuses"])
+            assert p["answered_200"] == 6 and p["lost"] == 0, (system, p["statuses"])
+            # every system read the store again for some switch
+            assert p["switch_tiers"].get("disk", 0) > 0, (system, p["switch_tiers"])
             if p["images"] is not None:  # every image equal the pinned peer's first pass
-                assert p["images"]["compared"] == 10 and p["images"]["unequal"] == 0
-    assert run["passes"]["nostall"][0]["images"]["compared"] == 10
+                assert p["images"]["compared"] == 6 and p["images"]["unequal"] == 0
+    assert run["passes"]["nostall"][0]["images"]["compared"] == 6
     assert set(run["slo_s"]) == set(catalog.CATALOG) and run["rate_per_s"] > 0
     assert run["rate_per_s"] == pytest.approx(0.7 * run["capacity_per_s"])
     assert report["targets"]["catalog_images_equal_peer"]["met"] is True
@@ -181,26 +192,3 @@ def test_a_malformed_trace_is_refused_naming_its_row(tmp_path):
     assert "row 3" in result.output and "at_s" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "o.json").exists()
     assert not (tmp_path / "work").exists()  # refused before a store was written
-
-
-@pytest.mark.slow
-def test_with_a_host_budget_smaller_than_the_catalog_both_systems_read_the_store(tmp_path):
-    report = catalog.run_catalog_bench(
-        device="cpu",
-        requests=10,
-        rounds=1,
-        budgets_gb=(44.0,),
-        host_budget_gb=25.0,  # (scaled: under half of the catalog's copies)
-        systems=("nostall", "lru-pageable"),
-        preempt=False,
-        work=str(tmp_path),
-        log=lambda line: None,
-    )
-    run = report["budgets"]["44"]
-    assert report["config"]["host_budget_gb"] == 25.0
-    for system in ("nostall", "lru-pageable"):
-        p = run["passes"][system][0]
-        assert p["lost"] == 0, (system, p["statuses"])
-        assert p["switch_tiers"].get("disk", 0) > 0, (system, p["switch_tiers"])
-    # every image still the other system's (the first pageable pass: the references here)
-    assert run["passes"]["nostall"][0]["images"]["unequal"] == 0

@@ -17,7 +17,7 @@ from nostall.serve.worker import Worker
 
 def _body(model, seed, steps, side, slo_ms=None):
     body = {"model": model, "prompt": "x", "size": f"{side}x{side}", "steps": steps, "seed": seed}
-    if model == "flux":
+    if model.startswith("flux"):
         body["max_sequence_length"] = 16
     if slo_ms is not None:
         body["slo_ms"] = slo_ms
@@ -36,22 +36,25 @@ def _post(url, body):
     return r.json(), seconds
 
 
-def _warm(url) -> tuple[float, int]:
+def _warm(url, short_model="sdxl") -> tuple[float, int]:
     """Both pipelines warm and their estimates learned: the short job's SLO and the long
     job's steps (~15 SLOs)."""
     for _ in range(2):  # the second of each: warm
         _, flux_4 = _post(url, _body("flux", 1, 4, 128))
-        _, short = _post(url, _body("sdxl", 1, 2, 32))
+        _, short = _post(url, _body(short_model, 1, 2, 32))
     slo_s = max(0.3, 4 * short)  # on time only if it need not wait for the long job
     return slo_s, min(150, max(40, int(15 * slo_s / (flux_4 / 4))))
 
 
-def _race(store, preempt: bool):
-    """Warm both pipelines, then the long FLUX job straight, then again with a short SDXL
-    job sent while it runs; everything measured."""
-    worker = Worker(store, device="cpu", max_queue=8, preempt=preempt)
+def _race(store, preempt: bool, short_model="sdxl", short_store=None, **options):
+    """Warm both pipelines, then the long FLUX job straight, then again with a short job
+    (SDXL) sent while it runs; everything measured. ``short_store``: the folder holding
+    the short job's pipeline, when it is not ``store``'s (the worker serves the two)."""
+    if short_store is not None:
+        store = {"flux": store / "flux", short_model: short_store / short_model}
+    worker = Worker(store, device="cpu", max_queue=8, preempt=preempt, **options)
     with Server(create_app(worker)) as srv:
-        slo_s, steps = _warm(srv.url)
+        slo_s, steps = _warm(srv.url, short_model)
         straight, _ = _post(srv.url, _body("flux", 7, steps, 128))
         got = {}
         long = threading.Thread(
@@ -61,19 +64,41 @@ def _race(store, preempt: bool):
         while worker.status()["running"] is None:  # it began
             time.sleep(0.01)
         time.sleep(0.1)
-        answer, latency = _send(srv.url, _body("sdxl", 3, 2, 32, slo_ms=int(slo_s * 1000)))
+        short = _body(short_model, 3, 2, 32, slo_ms=int(slo_s * 1000))
+        answer, latency = _send(srv.url, short)
         long.join()
         status = worker.status()
     return straight, got["long"], answer, latency, slo_s, status
 
 
 @pytest.mark.slow
-def test_a_preempted_image_equals_the_straight_one_and_the_short_job_meets_its_slo(store):
-    straight, (paused, long_s), r, short_s, slo_s, status = _race(store, preempt=True)
+@pytest.mark.parametrize(
+    "short_model, options",
+    [
+        ("sdxl", {}),  # beside the paused FLUX pipeline
+        # a device tier of one tiny FLUX pipeline: flux-b's own weights cannot sit beside
+        # flux's, which is parked (leaves, and comes back into the paused call's modules)
+        ("flux-b", {"gpu_budget": 800 << 10}),
+    ],
+    ids=["beside", "parked"],
+)
+def test_a_preempted_image_equals_the_straight_one_and_the_short_job_meets_its_slo(
+    store, short_model, options, tmp_path
+):
+    short_store = None
+    if short_model != "sdxl":  # (a budget this tight serves the two alone)
+        from nostall.synthetic import write_store
+
+        write_store(tmp_path, (short_model,))
+        short_store = tmp_path
+    straight, (paused, long_s), r, short_s, slo_s, status = _race(
+        store, True, short_model, short_store, **options
+    )
     assert r.status_code == 200, r.text  # admitted: it can preempt
     short = r.json()
     by = paused["nostall"]["preempted_by"]
-    assert [b["model"] for b in by] == ["sdxl"] and by[0]["at_step"] >= 1
+    assert [b["model"] for b in by] == [short_model] and by[0]["at_step"] >= 1
+    assert by[0]["parked"] is bool(options)
     assert short_s <= slo_s < long_s  # answered within its SLO, while the long one ran
     assert paused["data"][0]["b64_json"] == straight["data"][0]["b64_json"]  # bit for bit
     phases = paused["nostall"]["phases"]

@@ -70,6 +70,18 @@ def test_the_jump_stays_within_the_fairness_bound_and_is_charged():
     assert s.preemptor("flux", 10.0, {"flux", "sdxl"}, now=2.0) is None
 
 
+def test_the_way_back_of_a_parked_pipeline_is_priced():
+    # sdxl would be 7 s late behind flux; its switch costs 2 s: worth a pause beside flux,
+    # and with 3 s to bring flux back, not with 5 s (7 s gained, 7 s paid)
+    def one(back_s):
+        s = _sched()
+        s.add(Request("a", "sdxl", "512", arrived=0.0, deadline=7.0))
+        return s.preemptor("flux", 10.0, {"flux"}, now=1.0, back_s=back_s)
+
+    assert one(None).id == "a" and one(lambda r: 3.0).id == "a"
+    assert one(lambda r: 5.0) is None
+
+
 def test_what_a_preemptor_took_teaches_the_estimates():
     s = _sched()
     s.observe("sdxl", 2.0, run_s=1.0, switch_s=0.5)
@@ -91,24 +103,36 @@ def test_what_a_preemptor_took_teaches_the_estimates():
     resident=st.sets(st.sampled_from(["flux", "sdxl", "sd3", "sdxl-b"])),
     running_deadline=st.one_of(st.none(), st.floats(0.0, 50.0)),
     overtake=st.integers(0, 3),
+    # seconds to bring the paused pipeline back, per preemptor's pipeline (it must leave
+    # for some: parked), 0 for those that fit beside it
+    back=st.dictionaries(st.sampled_from(["sdxl", "sd3", "sdxl-b"]), st.floats(0.0, 5.0)),
 )
 def test_any_preemption_pays_for_itself_keeps_the_paused_deadline_and_the_bound(
-    waiting, busy, resident, running_deadline, overtake
+    waiting, busy, resident, running_deadline, overtake, back
 ):
     now = 10.0
     s = Scheduler(Policy(batch=1, overtake=overtake, delay_s=20.0), run_s=1.0, switch_s=2.0)
     for i, (p, arrived, deadline, work) in enumerate(waiting):
         s.add(Request(i, p, "512", arrived=arrived, work=work, deadline=deadline))
-    r = s.preemptor("flux", busy, resident | {"flux"}, now=now, running_deadline=running_deadline)
+    r = s.preemptor(
+        "flux",
+        busy,
+        resident | {"flux"},
+        now=now,
+        running_deadline=running_deadline,
+        back_s=lambda r: back.get(r.pipeline, 0.0),
+    )
     if r is None:
         return
     switch = 0.0 if r.pipeline in resident else 2.0
     cost = switch + r.work
+    home = back.get(r.pipeline, 0.0)
     assert r.pipeline != "flux" and r.deadline is not None
     assert now + cost <= r.deadline + 1e-6  # on time now
-    assert now + busy + cost - r.deadline > switch  # late behind it by more than its switch
+    # late behind it by more than both switches: its own, and the paused one's way back
+    assert now + busy + cost - r.deadline > switch + home
     if running_deadline is not None and now + busy <= running_deadline:
-        assert now + busy + cost <= running_deadline + 1e-6
+        assert now + busy + cost + home <= running_deadline + 1e-6
     for q in s.requests():
         overtaken, pushed = s.standing(q.id)
         assert overtaken <= overtake and pushed <= 20.0 + 1e-6

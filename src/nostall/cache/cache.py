@@ -54,8 +54,9 @@ from nostall.cache.holds import Hold, Holds
 from nostall.cache.host import HostTier, cpu_tier_bytes, parse_host_tier, store_bytes
 from nostall.cache.modules import Instance, Instances
 from nostall.cache.moves import Move, issue
+from nostall.cache.parking import park
 from nostall.cache.pipelines import Pipelines
-from nostall.cache.report import CacheStats, ComponentSwitch, SwitchReport
+from nostall.cache.report import CacheStats, ComponentSwitch, SwitchReport, collect_stats
 from nostall.errors import (
     ArgumentError,
     BudgetExceeded,
@@ -260,10 +261,18 @@ class ModelCache:
         entered: list[Any] = []
         try:
             entered = self._attach(base, pipe, wanted, _roles(without))
+            hold.name, hold.without, hold.parkable = name, _roles(without), not wanted
             yield pipe
         finally:
             self._fusions.leave(entered)
             self._release(hold)
+
+    def parked(self) -> contextlib.AbstractContextManager[int]:
+        """Inside ``use()`` blocks (on their thread, say at a step boundary of their
+        call): let their pipelines leave the device while the ``with`` block runs other
+        switches, and bring them back, into the very modules their call holds, before it
+        ends (:mod:`~nostall.cache.parking`). Yields the bytes that may leave."""
+        return park(self)
 
     def controlnets(self) -> list[str]:
         """The ControlNet names under ``<store>/controlnets``."""
@@ -355,34 +364,7 @@ class ModelCache:
     def stats(self) -> CacheStats:
         """Bytes per tier and every known component's tier."""
         with self._lock:
-            host = self._host.resident()
-            ready = {d: s for d, s in self._tier.slots.items() if s.ready}
-            comps: dict[str, dict[str, Any]] = {}
-            host_bytes = 0
-            for d, roles in self._roles.items():
-                plan = self._modules.planned(d)
-                disk = plan.checkpoint.nbytes if plan is not None else 0
-                if d in host:
-                    host_bytes += disk
-                slot = ready.get(d)
-                comps[d] = {
-                    "tier": "gpu" if slot else "host" if d in host else "disk",
-                    "roles": sorted({r for _, r in roles}),
-                    "pipelines": sorted({p for p, _ in roles}),
-                    "bytes": disk,
-                    "in_use": bool(slot and slot.uses),
-                }
-            return CacheStats(
-                device=str(self.device),
-                gpu_budget=self._tier.budget,
-                gpu_bytes=sum(s.nbytes for s in ready.values()),
-                host_budget=self._host.budget,
-                host_bytes=host_bytes,
-                components=comps,
-                lora_budget=self._shelf.budget,
-                lora_bytes=self._shelf.nbytes(),
-                lora_base_bytes=self._fusions.base_bytes(),
-            )
+            return collect_stats(self)
 
     def resident(self, name: str, *, without: Iterable[str] = ()) -> bool:
         """Whether every weights component of ``name`` (less the roles in ``without``,
@@ -447,6 +429,7 @@ class ModelCache:
         build: bool = True,
         expert: bool = False,
         high: bool = False,
+        resume: Hold | None = None,
     ) -> tuple[Any, SwitchReport, Hold | None]:
         t0 = time.perf_counter()
         self._check_open()
@@ -471,7 +454,8 @@ class ModelCache:
                     self._tier.slots[c.digest].last_used = self._tick
                 # Claimed before the lock is let go: no other switch may evict them now.
                 if mode == "use":
-                    hold = self._holds.take(keep)
+                    hold = self._holds.take(keep) if resume is None else resume
+                    hold.parked = False  # (a parked hold holds again)
                     for d in keep:
                         self._tier.slots[d].uses += 1
                 if mode == "prefetch":
@@ -495,8 +479,14 @@ class ModelCache:
                         if self._tier.slots.get(mv.c.digest) is mv.slot:
                             mv.slot.uses = 0
                             self._evict_slot(mv.slot)
-                    if hold is not None:
+                    if hold is not None and resume is None:
                         self._release_locked(hold, record=False)
+                    elif hold is not None:  # parked again: its block's end gives nothing back
+                        for d in keep:
+                            slot = self._tier.slots.get(d)
+                            if slot is not None and slot.uses:
+                                slot.uses -= 1
+                        hold.parked = True
                 raise
             self._fusions.reloaded(mv.inst.module for mv in moves)  # base bytes again
             with self._lock:
@@ -622,7 +612,7 @@ class ModelCache:
         """An instance and a slot for ``c``: in place in an idle instance of the same
         architecture when room would have to be made anyway, else a new slot."""
         idle = self._modules.idle(c, lambda slot: self._evictable(slot, keep, mode))
-        if idle and self._tier.largest_free < need:
+        if idle and self._tier.largest_free < need and not self._modules.parked_for(c):
             inst = min(idle, key=lambda i: i.slot.last_used)
             old = inst.slot
             evicted.append(self._describe(old.digest))
@@ -719,8 +709,8 @@ class ModelCache:
             self._pipelines.give_back(hold)
 
     def _release_locked(self, hold: Hold, *, record: bool) -> None:
-        if not self._holds.give_back(hold):
-            return
+        if not self._holds.give_back(hold) or hold.parked:
+            return  # (a parked hold's uses were given back when it was parked)
         events = []
         if record and self.device.type == "cuda":
             # The next copy into these slots waits for the kernels queued so far on every

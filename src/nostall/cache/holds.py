@@ -43,6 +43,13 @@ class Hold:
     digests: frozenset[str]
     streams: list[Any] = field(default_factory=list)  # CUDA streams its pipeline ran on
     open: bool = True
+    # what the block switched to (to bring it back after parking): its pipeline, the roles
+    # left out; parkable: plain base weights (no LoRA fused into them), so the copies that
+    # bring it back are what it computed with
+    name: str = ""
+    without: frozenset[str] = frozenset()
+    parkable: bool = False
+    parked: bool = False  # let go of its components for a while (cache.parked())
 
     def note(self, stream: Any) -> bool:
         """Remember ``stream``; return whether it is new to this hold."""
@@ -77,12 +84,17 @@ class Holds:
         return True
 
     def mine(self) -> Counter[str]:
-        """How many open holds the calling context has on each digest."""
+        """How many open holds the calling context has on each digest (parked ones
+        hold nothing)."""
         out: Counter[str] = Counter()
-        for h in _ENTERED.get():
-            if h.open and h in self._open:
+        for h in self.entered():
+            if not h.parked:
                 out.update(h.digests)
         return out
+
+    def entered(self) -> list[Hold]:
+        """The calling context's open holds, oldest first."""
+        return [h for h in _ENTERED.get() if h.open and h in self._open]
 
     def __len__(self) -> int:
         return len(self._open)

@@ -53,6 +53,9 @@ class Instance:
     offset: int | None = None
     build_s: float = field(default=0.0)
     fp8: bool = False  # FP8 weights: adopted with their scales (nostall.quant.modules)
+    # a paused call's module while its pipeline is parked: kept for ``digest`` alone (no
+    # other component is copied into it or given it), so the call goes on with it
+    parked: bool = False
 
     def bind(
         self, tensors: dict[str, torch.Tensor], slot: Slot, c: ComponentEntry, device: torch.device
@@ -141,7 +144,7 @@ class Instances:
         return [
             i
             for i in self._by_arch[c.arch or c.digest]
-            if i.slot is not None and i.slot.ready and evictable(i.slot)
+            if i.slot is not None and i.slot.ready and not i.parked and evictable(i.slot)
         ]
 
     def take(self, c: ComponentEntry, slot: Slot) -> Instance:
@@ -149,16 +152,28 @@ class Instances:
         already views ``c`` or that offset (nothing to re-point), else any free one, else
         a new one."""
         insts = self._by_arch[c.arch or c.digest]
-        free = [i for i in insts if i.slot is None]
-        inst = next((i for i in free if i.digest == c.digest), None) or next(
-            (i for i in free if i.offset == slot.offset), None
-        )
+        free = [i for i in insts if i.slot is None and (not i.parked or i.digest == c.digest)]
+        # (a parked one first: the paused call goes on with that very module)
+        mine = sorted((i for i in free if i.digest == c.digest), key=lambda i: not i.parked)
+        inst = next(iter(mine), None) or next((i for i in free if i.offset == slot.offset), None)
         if inst is None:
             inst = free[0] if free else build_instance(c, self.dtype)
             if inst not in insts:
                 insts.append(inst)
         inst.slot = slot
         return inst
+
+    def parked_for(self, c: ComponentEntry) -> bool:
+        """Whether a module is kept aside for ``c`` (it must come back into that one)."""
+        return any(i.parked and i.digest == c.digest for i in self._by_arch[c.arch or c.digest])
+
+    def viewing(self, digest: str) -> Instance | None:
+        """The instance whose slot holds ``digest`` (``None``: not on the device)."""
+        for insts in self._by_arch.values():
+            for inst in insts:
+                if inst.digest == digest and inst.slot is not None:
+                    return inst
+        return None
 
     def holding(self, c: ComponentEntry) -> Instance:
         """The instance whose slot holds ``c``."""

@@ -180,3 +180,36 @@ class CacheStats:
     lora_budget: int = 0
     lora_bytes: int = 0
     lora_base_bytes: dict[str, int] = field(default_factory=dict)
+
+
+def collect_stats(cache: Any) -> CacheStats:
+    """:meth:`ModelCache.stats <nostall.cache.ModelCache.stats>`, under its lock: each
+    known component's tier, roles, pipelines, bytes and whether a block holds it."""
+    host = cache._host.resident()
+    ready = {d: s for d, s in cache._tier.slots.items() if s.ready}
+    comps: dict[str, dict[str, Any]] = {}
+    host_bytes = 0
+    for d, roles in cache._roles.items():
+        plan = cache._modules.planned(d)
+        disk = plan.checkpoint.nbytes if plan is not None else 0
+        if d in host:
+            host_bytes += disk
+        slot = ready.get(d)
+        comps[d] = {
+            "tier": "gpu" if slot else "host" if d in host else "disk",
+            "roles": sorted({r for _, r in roles}),
+            "pipelines": sorted({p for p, _ in roles}),
+            "bytes": disk,
+            "in_use": bool(slot and slot.uses),
+        }
+    return CacheStats(
+        device=str(cache.device),
+        gpu_budget=cache._tier.budget,
+        gpu_bytes=sum(s.nbytes for s in ready.values()),
+        host_budget=cache._host.budget,
+        host_bytes=host_bytes,
+        components=comps,
+        lora_budget=cache._shelf.budget,
+        lora_bytes=cache._shelf.nbytes(),
+        lora_base_bytes=cache._fusions.base_bytes(),
+    )

@@ -94,11 +94,12 @@ class Lineup:
     def _pausable(self) -> bool:
         return self._running is not None and len(self._batch) == 1
 
-    def preemptor(self, allowed: Any) -> Any:
+    def preemptor(self, allowed: Any, back_s: Any = None) -> Any:
         """At a step boundary of the running job: the queued ticket worth pausing it for
         (taken off the schedule; the caller takes it out of its deque and runs it), or
-        ``None`` (:meth:`Scheduler.preemptor`; ``allowed(ticket)``: the worker's rules).
-        Call :meth:`preempted` once it has run."""
+        ``None`` (:meth:`Scheduler.preemptor`; ``allowed(ticket)``: the worker's rules;
+        ``back_s(ticket)``: seconds to bring the paused pipeline back after it). Call
+        :meth:`preempted` once it has run."""
         if not self._pausable():
             return None
         resident, busy = self._now_resident()
@@ -111,6 +112,7 @@ class Lineup:
             now=time.perf_counter(),
             running_deadline=None if slo is None else running.arrived + slo,
             allowed=lambda r: not r.id.cancelled.is_set() and allowed(r.id),
+            back_s=None if back_s is None else lambda r: back_s(r.id),
         )
         return None if r is None else r.id
 

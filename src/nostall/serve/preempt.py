@@ -7,27 +7,39 @@ calls the runner's ``on_step``), :class:`Preemption` asks the queue
 :meth:`Scheduler.preemptor <nostall.serve.schedule.Scheduler.preemptor>`) whether a
 queued image job is worth a pause, and runs it there, on the worker's thread, inside the
 paused pipeline call: the paused job's latents, scheduler state, prompt embeddings and
-generator stay where they are (on the device), its pipeline stays held (nothing of it is
-evicted), and when the short job is done its call goes on from the same step, so its
-output is the one it would have had run straight through.
+generator stay where they are (on the device), and when the short job is done its call
+goes on from the same step, so its output is the one it would have had run straight
+through.
+
+Where the short job's weights go: beside the paused pipeline when they fit there (the
+paused pipeline stays, and coming back costs nothing); else, if the paused pipeline
+holds plain base weights (no LoRA fused in, not a two-expert pipeline), it is parked
+(:meth:`ModelCache.parked <nostall.cache.ModelCache.parked>`): its components may leave
+for the short job's, least recently used first, and come back from the host tier into
+the very modules the paused call holds before it goes on. The price of coming back (the
+bytes that would leave ÷ the measured host rate) is part of the decision
+(:meth:`Scheduler.preemptor <nostall.serve.schedule.Scheduler.preemptor>`'s
+``back_s``): a pause has to gain more than both switches cost.
 
 What may preempt: an image job of another pipeline (not the paused one's: a pipeline
 object is one call at a time), without LoRAs or a ControlNet (those change weights the
-paused job might share), whose missing weights fit in the device tier beside what is
-held (the paused pipeline cannot leave, and a switch that found no room would fail the
-short job). One preemption at a time (a preempting job is not itself paused). Its time
-is the paused job's ``preempted`` phase, left out of that job's denoise time; the
-paused job's answer lists what ran inside it (``info["preempted_by"]``). A paused job
-whose client left meanwhile is dropped at its next step (:class:`~nostall.Cancelled`),
+paused job might share), whose weights fit in the device tier beside what stays held (a
+switch that found no room would fail the short job). One preemption at a time (a
+preempting job is not itself paused). Its time is the paused job's ``preempted`` phase,
+left out of that job's denoise time; the paused job's answer lists what ran inside it
+(``info["preempted_by"]``, with ``parked`` when its pipeline had to leave). A paused
+job whose client left meanwhile is dropped at its next step (:class:`~nostall.Cancelled`),
 its memory given back, instead of running to the end for nobody.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
 
+from nostall.cache.experts import expert_roles
 from nostall.errors import Cancelled, NostallError
 from nostall.serve.jobs import GenerateJob, ImageJob, VideoJob
 from nostall.serve.prices import placement
@@ -60,9 +72,10 @@ class Preemption:
             return False
         return running is None or job.model != running
 
-    def _room(self) -> tuple[Any, int] | None:
-        """The cache's components now and the device-tier bytes a switch may use beside
-        what is held in use (``None``: unknown)."""
+    def _room(self) -> tuple[Any, int, int] | None:
+        """The cache's components now, the device-tier bytes a switch may use beside
+        what is held in use, and those it may use with the paused pipeline parked
+        (``None``: unknown)."""
         try:
             stats = self._worker.cache.stats()
         except NostallError as e:  # (closed at shutdown)
@@ -71,17 +84,46 @@ class Preemption:
         held = sum(
             c["bytes"] for c in stats.components.values() if c["in_use"] and c["tier"] == "gpu"
         )
-        return stats.components, int(_ROOM * max(0, stats.gpu_budget - held))
+        beside = int(_ROOM * max(0, stats.gpu_budget - held))
+        return stats.components, beside, int(_ROOM * stats.gpu_budget)
 
-    def _fits(self, job: ImageJob, where: Any, room: int) -> bool:
-        """Whether ``job``'s missing weights fit in ``room`` (:meth:`_room`)."""
+    def _parkable(self, job: Any) -> bool:
+        """Whether the paused ``job``'s pipeline may leave for a preemptor: its weights
+        are the host tier's copies (no LoRA, no ControlNet), one denoiser (not two
+        experts switched at a boundary)."""
+        if getattr(job, "loras", ()) or getattr(job, "controlnet", None) is not None:
+            return False
         w = self._worker
         try:
-            host, disk = placement(w.cache, job.model, w.runner.without(job), where=where)
+            entry = w.cache.store.entry(job.model)
+            return expert_roles(entry, frozenset(w.runner.without(job))) is None
+        except NostallError:
+            return False
+
+    def _fits(self, job: ImageJob, where: Any, room: tuple[int, int], paused: Any) -> float | None:
+        """Where ``job``'s weights go (:meth:`_room`'s ``room``: beside, parked): 0.0
+        when they fit beside the paused pipeline, the estimated seconds to bring the
+        paused pipeline back when it must be parked for them, ``None`` when they fit
+        neither way."""
+        w = self._worker
+        beside, parked = room
+        without = w.runner.without(job)
+        try:
+            host, disk = placement(w.cache, job.model, without, where=where)
+            if host + disk <= beside:
+                return 0.0
+            if parked <= beside or not self._parkable(paused):
+                return None
+            comps = w.cache.store.entry(job.model).distinct_weights(frozenset(without))
+            if sum(c.nbytes for c in comps) > parked:
+                return None
         except NostallError as e:
             log.debug("placement of %s unknown (%s): not preempting for it", job.model, e)
-            return False
-        return host + disk <= room
+            return None
+        # what leaves is what does not fit beside, at most the paused pipeline's bytes
+        ours = placement(w.cache, paused.model, w.runner.without(paused), where={})
+        back = min(host + disk - beside, sum(ours))
+        return w._lineup.prices.seconds(host=back, disk=0)
 
     def __call__(self, job: Any, steps: int) -> float:
         """At step ``steps`` of ``job`` (running alone): run the queued job worth pausing
@@ -100,27 +142,29 @@ class Preemption:
         room = self._room()  # (asks the cache: not under the queue's lock)
         if room is None:
             return 0.0
-        where, free = room
-        fits: dict[str, bool] = {}
+        where, beside, parked = room
+        fits: dict[str, float | None] = {}
 
-        def allowed(t: Any) -> bool:
-            if not self.allowed(t, job.model):
-                return False
+        def back(t: Any) -> float | None:
             if t.job.model not in fits:
-                fits[t.job.model] = self._fits(t.job, where, free)
+                fits[t.job.model] = self._fits(t.job, where, (beside, parked), job)
             return fits[t.job.model]
 
+        def allowed(t: Any) -> bool:
+            return self.allowed(t, job.model) and back(t) is not None
+
         with w._cond:
-            ticket = w._lineup.preemptor(allowed)
+            ticket = w._lineup.preemptor(allowed, back_s=lambda t: back(t) or 0.0)
             if ticket is not None:
                 w._queue.remove(ticket)
                 w.metrics.queue_depth.set(len(w._queue))
         if ticket is None or not ticket.future.set_running_or_notify_cancel():
             return 0.0
+        park = bool(fits.get(ticket.job.model))  # (0.0: it fits beside)
         t = time.perf_counter()
         self._inside = True
         try:
-            with w.budget.paused():
+            with w.budget.paused(), w.cache.parked() if park else contextlib.nullcontext():
                 result = w._finish(ticket)
         finally:
             self._inside = False
@@ -130,10 +174,15 @@ class Preemption:
         self.count += 1
         w.metrics.preemptions.inc()
         self._by.setdefault(id(job), []).append(
-            {"model": ticket.job.model, "at_step": steps, "seconds": seconds}
+            {"model": ticket.job.model, "at_step": steps, "seconds": seconds, "parked": park}
         )
         log.info(
-            "%s paused at step %d for %s (%.2f s)", job.model, steps, ticket.job.model, seconds
+            "%s paused at step %d for %s (%.2f s%s)",
+            job.model,
+            steps,
+            ticket.job.model,
+            seconds,
+            ", parked" if park else "",
         )
         return seconds
 

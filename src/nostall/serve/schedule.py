@@ -43,10 +43,11 @@ switch in its estimate, within the same bound:
 **Preemption.** A job running a pipeline of many denoising steps can be paused at a step
 boundary for a queued request of another pipeline (:meth:`Scheduler.preemptor`, asked
 at each boundary): one with a deadline it would miss behind what is left of the running
-job by more than its own switch costs (the gain must pay for the switch; the paused
-pipeline stays resident, so coming back costs nothing), that it can still meet if it
-runs now, whose run does not make the paused job miss a deadline it would have met, and
-whose jump over the older queued requests stays within the bound of rule 2.
+job by more than both switches cost (its own, and bringing the paused pipeline back when
+it must leave the device for it: the caller's ``back_s``; a paused pipeline that stays
+resident comes back for nothing), that it can still meet if it runs now, whose run does
+not make the paused job miss a deadline it would have met, and whose jump over the older
+queued requests stays within the bound of rule 2.
 
 >>> s = Scheduler(Policy(batch=2, overtake=1), run_s=1.0, switch_s=5.0)
 >>> for i, p in enumerate(["flux", "sdxl", "flux", "flux"]):
@@ -262,12 +263,15 @@ class Scheduler:
         now: float,
         running_deadline: float | None = None,
         allowed: Callable[[Request], bool] | None = None,
+        back_s: Callable[[Request], float] | None = None,
     ) -> Request | None:
         """The queued request worth pausing the running job for now (see the module),
         taken off the queue with the requests it overtakes charged; ``None`` if none is.
         ``running``: the running job's pipeline; ``busy_s``: its estimated seconds left;
-        ``allowed``: which requests may preempt at all (the caller's rules). Tell
-        :meth:`observe` what it took once it has run."""
+        ``allowed``: which requests may preempt at all (the caller's rules); ``back_s``:
+        the seconds it would take to bring the paused pipeline back after a request (0,
+        or no ``back_s``: it stays resident beside it). Tell :meth:`observe` what it took
+        once it has run."""
         best: tuple[float, int, _Choice, float] | None = None
         for i, w in enumerate(self._queue):
             r = w.request
@@ -276,20 +280,22 @@ class Scheduler:
             if allowed is not None and not allowed(r):
                 continue
             switch = 0.0 if r.pipeline in resident else self.switch_estimate(r.pipeline)
-            cost = switch + self.run_estimate(r.pipeline, r.work)
-            if now + cost > r.deadline + 1e-9:
+            own = switch + self.run_estimate(r.pipeline, r.work)
+            back = max(0.0, back_s(r)) if back_s is not None else 0.0
+            if now + own > r.deadline + 1e-9:
                 continue  # too late even if it ran now: not chased
-            if now + busy_s + cost - r.deadline <= switch + 1e-9:
+            if now + busy_s + own - r.deadline <= switch + back + 1e-9:
                 continue  # on time behind the running job, or too little late to pay
+            pause = own + back  # the paused job resumes after both switches and the run
             if running_deadline is not None and (
-                now + busy_s <= running_deadline + 1e-9 < now + busy_s + cost
+                now + busy_s <= running_deadline + 1e-9 < now + busy_s + pause
             ):
                 continue  # the paused job would miss a deadline it would have met
-            choice = self._charge(self._queue, [i], switch)
+            choice = self._charge(self._queue, [i], switch + back)
             if choice is None:
                 continue
             if best is None or r.deadline < best[0]:
-                best = (r.deadline, i, choice, cost)
+                best = (r.deadline, i, choice, pause)
         if best is None:
             return None
         _, lead, choice, _ = best
