@@ -48,13 +48,14 @@ from nostall.cache import placement
 from nostall.cache.config import CacheConfig, resolve_config
 from nostall.cache.controlnets import attached as attach_controlnet
 from nostall.cache.controlnets import listed as listed_controlnets
-from nostall.cache.device import DeviceTier, Slot
+from nostall.cache.device import DeviceTier, Slot, room_beside
 from nostall.cache.experts import expert_roles, use_experts
 from nostall.cache.holds import Hold, Holds
 from nostall.cache.host import HostTier, cpu_tier_bytes, parse_host_tier, store_bytes
 from nostall.cache.modules import Instance, Instances
 from nostall.cache.moves import Move, issue
 from nostall.cache.parking import park
+from nostall.cache.partial import host_refused, streamed_in_switch
 from nostall.cache.pipelines import Pipelines
 from nostall.cache.report import CacheStats, ComponentSwitch, SwitchReport, collect_stats
 from nostall.errors import (
@@ -148,11 +149,14 @@ class ModelCache:
         self._holds = Holds()
         # LoRAs: read from <store>/loras (or paths), fused into resident modules per use()
         self._shelf = Shelf(loras, lora_budget, device=self.device)
-        self._fusions = Fusions(wait_s, room=self._room)
+        self._fusions = Fusions(
+            wait_s, room=lambda d, n: room_beside(d, n, self.activation_reserve)
+        )
         self._fitted: dict[int, tuple[Any, tuple[int, ...]]] = {}  # LoRAs checked, on what
         root = self.store.root
         self._controlnets = os.path.join(root, "controlnets") if root else None
         self._protected: set[str] = set()  # prefetched, not used yet
+        self._partials: dict[str, Any] = {}  # the switch being planned: what streams
         self._high = False
         self._current: set[str] = set()  # the last pipeline handed out without use()
         self._roles: dict[str, set[tuple[str, str]]] = {}  # digest -> {(pipeline, role)}
@@ -300,18 +304,6 @@ class ModelCache:
                 self._fitted = {k: v for k, v in self._fitted.items() if v[0]() is not None}
                 self._fitted[id(lora)] = (weakref.ref(lora), ids)
         return self._fusions.enter(modules, loras)
-
-    def _room(self, device: torch.device, nbytes: int) -> bool:
-        """Whether ``nbytes`` of LoRA base copies may stay on ``device``: the activation
-        reserve stays free beside them."""
-        if device.type != "cuda":
-            return True
-        free, total = torch.cuda.mem_get_info(device)
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        keep = self.activation_reserve
-        if keep is None:
-            keep = max(2 << 30, total // 10)
-        return free - nbytes >= keep
 
     def prefetch(self, name: str, *, without: Iterable[str] = ()) -> Future[SwitchReport]:
         """Move ``name``'s missing components to the device now, on the copy stream, while
@@ -544,8 +536,9 @@ class ModelCache:
                 continue
             plan, build_s = self._modules.plan(c)
             missing.append((c, prior, plan, build_s))
+        self._partials = self._streamed(comps, missing)
         # Largest first: small slots placed first would cut the free runs a large one needs.
-        missing.sort(key=lambda m: -m[2].target_bytes)
+        missing.sort(key=lambda m: -self._need(m[0], m[2]))
         try:
             moves, waited = self._place_all(missing, keep, mode, evicted, sticky=True)
         except BudgetExceeded:
@@ -568,12 +561,34 @@ class ModelCache:
                     self._evict_slot(self._tier.slots[c.digest], evicted)
                     del rows[c.digest]
                     missing.append((c, priors[c.digest], *self._modules.plan(c)))
-                missing.sort(key=lambda m: -m[2].target_bytes)
+                missing.sort(key=lambda m: -self._need(m[0], m[2]))
                 moves, waited = self._place_all(missing, keep, mode, evicted, sticky=False)
+        streaming = self._modules.streaming()  # (their rings read the host tier's copies)
         for mv, (_, prior, plan, _) in zip(moves, missing, strict=True):
+            mv.partial = self._partials.get(mv.c.digest)
             if mv.tier == "disk":
-                mv.cached = self._host.admit(mv.c.digest, plan.host_bytes, prior, keep)
+                force = mv.partial is not None
+                mv.cached = self._host.admit(
+                    mv.c.digest, plan.host_bytes, prior, keep | streaming, force=force
+                )
+                if force and not mv.cached:
+                    for m in moves:
+                        if not m.in_place:
+                            self._evict_slot(m.slot)
+                    raise host_refused(self._describe(mv.c.digest), plan, self._host.budget)
+        self._partials = {}
         return moves, rows, evicted, waited
+
+    def _streamed(self, comps: list[ComponentEntry], missing: list) -> dict[str, Any]:
+        """The partial layouts of this switch's components that stream (cache.partial)."""
+        return (
+            streamed_in_switch(self, comps, [m[0] for m in missing]) if self.config.stream else {}
+        )
+
+    def _need(self, c: ComponentEntry, plan: Any) -> int:
+        """The bytes ``c``'s new slot takes: its partial layout's, or its whole one's."""
+        part = self._partials.get(c.digest)
+        return part.nbytes if part is not None else plan.target_bytes
 
     def _place_all(self, missing, keep: set[str], mode: str, evicted: list[str], *, sticky: bool):
         moves: list[Move] = []
@@ -581,7 +596,7 @@ class ModelCache:
         try:
             for c, _prior, plan, build_s in missing:
                 inst, slot, after, in_place, w = self._place(
-                    c, plan.target_bytes, keep, mode, evicted, sticky
+                    c, self._need(c, plan), keep, mode, evicted, sticky
                 )
                 waited += w
                 tier = "host" if self._host.has(c.digest) else "disk"
@@ -612,7 +627,8 @@ class ModelCache:
         """An instance and a slot for ``c``: in place in an idle instance of the same
         architecture when room would have to be made anyway, else a new slot."""
         idle = self._modules.idle(c, lambda slot: self._evictable(slot, keep, mode))
-        if idle and self._tier.largest_free < need and not self._modules.parked_for(c):
+        whole = c.digest not in self._partials  # (a part is never copied in place)
+        if idle and whole and self._tier.largest_free < need and not self._modules.parked_for(c):
             inst = min(idle, key=lambda i: i.slot.last_used)
             old = inst.slot
             evicted.append(self._describe(old.digest))
@@ -681,8 +697,8 @@ class ModelCache:
     def _evict_slot(self, slot: Slot, evicted: list[str] | None = None) -> None:
         if evicted is not None:
             evicted.append(self._describe(slot.digest))
+        slot.events += self._modules.unbind(slot)  # (a ring's copies still in flight)
         self._tier.evict(slot)
-        self._modules.unbind(slot)
 
     def _learn(self, c: ComponentEntry, digests: list[str]) -> None:
         """The reads that loaded ``c`` hashed it: record its files' digests. If the same

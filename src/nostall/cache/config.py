@@ -130,6 +130,11 @@ class CacheConfig:
             process of the host that names it maps (:class:`~nostall.memory.SharedPool`):
             a component one worker read is a memory hit for all, and ``host_budget`` is
             the host's (the first process sizes it).
+        stream: a pipeline that cannot fit the device tier whole is served resident in
+            part (:mod:`nostall.cache.partial`): its largest component keeps what fits of
+            its repeated blocks on the device and streams the others from the host tier
+            on every call (default). ``False``: such a switch fails with
+            :class:`~nostall.BudgetExceeded`.
     """
 
     device: str | torch.device = "cuda"
@@ -143,6 +148,7 @@ class CacheConfig:
     activation_reserve: int | None = None
     lora_budget: int | None = None
     host_tier: str | None = None
+    stream: bool = True
 
     def __post_init__(self) -> None:
         from nostall.cache.host import parse_host_tier

@@ -26,7 +26,7 @@ from nostall.memory.events import event_done
 from nostall.memory.host import PAGE, HostArena, round_up
 from nostall.memory.ranges import Ranges
 
-__all__ = ["DeviceTier", "Slot"]
+__all__ = ["DeviceTier", "Slot", "room_beside"]
 
 GRANULE = 4096  # slots are pages: best fit and sticky placement keep holes reusable
 
@@ -189,3 +189,15 @@ class DeviceTier:
         self._dead.clear()
         self._ranges = Ranges(self.budget)
         self._buffer = None
+
+
+def room_beside(device: torch.device, nbytes: int, reserve: int | None) -> bool:
+    """Whether ``nbytes`` more may be allocated on ``device`` outside the tier (the base
+    copies of fused LoRAs) with ``reserve`` bytes (default: a tenth of the GPU, at least
+    2 GiB) still free for activations."""
+    if device.type != "cuda":
+        return True
+    free, total = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    keep = max(2 << 30, total // 10) if reserve is None else reserve
+    return free - nbytes >= keep

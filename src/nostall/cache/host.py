@@ -126,9 +126,14 @@ class HostTier:
     def has(self, digest: str) -> bool:
         return self.key(digest) in set(self.pool.cached_keys())
 
-    def admit(self, digest: str, host_bytes: int, prior: int, keep: set[str]) -> bool:
+    def admit(
+        self, digest: str, host_bytes: int, prior: int, keep: set[str], *, force: bool = False
+    ) -> bool:
         """Whether ``digest`` (a block of ``host_bytes``, the loader's host layout) may be
-        cached; residents are evicted for it only when it then certainly fits."""
+        cached; residents are evicted for it only when it then certainly fits. ``force``:
+        whatever its request count (a component streamed from here must be here)."""
+        if force:
+            prior = 1 << 62
         need = size_class(host_bytes)
         if self.shared is not None:
             return need <= self.budget  # the shared pool evicts for it when it allocates

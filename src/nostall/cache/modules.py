@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -53,18 +54,29 @@ class Instance:
     offset: int | None = None
     build_s: float = field(default=0.0)
     fp8: bool = False  # FP8 weights: adopted with their scales (nostall.quant.modules)
+    partly: bool = False  # its views are a partial layout's (not the whole one's)
     # a paused call's module while its pipeline is parked: kept for ``digest`` alone (no
     # other component is copied into it or given it), so the call goes on with it
     parked: bool = False
+    partial: Any = None  # resident in part: its layout and ring (cache.partial.Partial)
 
     def bind(
-        self, tensors: dict[str, torch.Tensor], slot: Slot, c: ComponentEntry, device: torch.device
+        self,
+        tensors: dict[str, torch.Tensor],
+        slot: Slot,
+        c: ComponentEntry,
+        device: torch.device,
+        *,
+        partial: Any = None,
     ) -> float:
         """Point the parameters at ``tensors`` (views of ``slot``); returns the seconds it
-        took (zero when they already point there)."""
+        took (zero when they already point there). ``partial``: the slot's partial
+        layout (the streamed blocks' tensors view its ring buffers)."""
         self.slot, self.digest = slot, c.digest
-        if self.offset == slot.offset:
+        self.partial = partial
+        if self.offset == slot.offset and partial is None and not self.partly:
             return 0.0
+        self.partly = partial is not None
         t = time.perf_counter()
         scales: dict[str, torch.Tensor] = {}
         if self.fp8:
@@ -130,12 +142,28 @@ class Instances:
         )
         return plan, time.perf_counter() - t - insts[0].build_s
 
+    def template(self, c: ComponentEntry) -> Instance:
+        """An instance of ``c``'s architecture (after :meth:`plan`): its module and
+        dtypes describe every instance of it."""
+        return self._by_arch[c.arch or c.digest][0]
+
+    def streaming(self) -> set[str]:
+        """The digests resident in part (their rings read the host tier's copies)."""
+        return {
+            i.digest for insts in self._by_arch.values() for i in insts if i.partial is not None
+        }
+
     def planned(self, digest: str) -> LoadPlan | None:
         return self._plans.get(digest)
 
     def clear(self) -> None:
         """Forget every module (their parameters view the device tier: a module kept
-        here keeps the whole tier's memory) and every plan."""
+        here keeps the whole tier's memory) and every plan; rings stop streaming."""
+        for insts in self._by_arch.values():
+            for inst in insts:
+                if inst.partial is not None:
+                    inst.partial.stop()
+                    inst.partial = None
         self._by_arch.clear()
         self._plans.clear()
 
@@ -144,7 +172,11 @@ class Instances:
         return [
             i
             for i in self._by_arch[c.arch or c.digest]
-            if i.slot is not None and i.slot.ready and not i.parked and evictable(i.slot)
+            if i.slot is not None
+            and i.slot.ready
+            and not i.parked
+            and i.partial is None  # (its slot holds a part: no whole component fits)
+            and evictable(i.slot)
         ]
 
     def take(self, c: ComponentEntry, slot: Slot) -> Instance:
@@ -179,12 +211,18 @@ class Instances:
         """The instance whose slot holds ``c``."""
         return next(i for i in self._by_arch[c.arch or c.digest] if i.digest == c.digest and i.slot)
 
-    def unbind(self, slot: Slot) -> None:
-        """``slot`` left the device tier: no instance views it any more."""
+    def unbind(self, slot: Slot) -> list[Any]:
+        """``slot`` left the device tier: no instance views it any more (a ring streaming
+        into it stops). Returns the events its next copies must wait for."""
+        events: list[Any] = []
         for insts in self._by_arch.values():
             for inst in insts:
                 if inst.slot is slot:
                     inst.slot = None
+                    if inst.partial is not None:
+                        events += inst.partial.stop()
+                        inst.partial = None
+        return events
 
     def booted(self) -> None:
         """Building paid at boot is not reported by the first switch."""

@@ -16,8 +16,9 @@ import torch
 
 from nostall.cache.device import DeviceTier, Slot
 from nostall.cache.modules import Instance
+from nostall.cache.partial import Partial
 from nostall.cache.report import ComponentSwitch
-from nostall.errors import PoolExhausted
+from nostall.errors import InternalError, PoolExhausted
 from nostall.memory.pool import PinnedPool
 from nostall.store.catalog import ComponentEntry
 from nostall.transfer.loader import Loader
@@ -40,6 +41,7 @@ class Move:
     # a read from disk hashes its bytes: content unknown, or a digest index claim to prove
     # (Store.must_hash)
     hash: bool = False
+    partial: Partial | None = None  # resident in part: its layout (cache.partial)
 
     def row(self) -> ComponentSwitch:
         """This move's line of the switch report (after :func:`issue`)."""
@@ -56,6 +58,7 @@ class Move:
             copy_s=stats.h2d_s if stats else 0.0,
             build_s=self.build_s,
             hashed=self.pending is not None and self.pending.digests is not None,
+            streamed=self.partial.plan.streamed_bytes if self.partial is not None else 0,
         )
 
 
@@ -85,20 +88,34 @@ def issue(
             "into": tier.view(mv.slot),
             "after": after if cuda else None,
             # Back at the offset its module views: no new views needed.
-            "views": mv.inst.offset != mv.slot.offset,
+            "views": mv.inst.offset != mv.slot.offset or mv.partial is not None,
             # A component whose content is unknown or unproven is hashed by the reads
             # that load it (reader threads, as the bytes land): no pass of its own.
             "digest": mv.tier == "disk" and mv.hash,
         }
+        if mv.partial is not None:  # the resident part only; the blocks stream
+            kwargs["names"] = mv.partial.resident
         try:
             mv.pending = loader.start(mv.c.checkpoint, pool=pool if mv.cached else None, **kwargs)
         except PoolExhausted:
+            if mv.partial is not None:  # it streams from the host tier: no way round it
+                raise
             # The host tier admitted it where the pool's free runs differed from the
             # plan's (a range still read by an earlier copy): read it straight to the
             # device instead (nothing was copied yet).
             mv.cached = False
             mv.pending = loader.start(mv.c.checkpoint, **kwargs)
-        mv.build_s += mv.inst.bind(mv.pending.tensors, mv.slot, mv.c, device)
+        tensors = mv.pending.tensors
+        if mv.partial is not None:
+            tensors = {**tensors, **mv.partial.ring_views(tier.view(mv.slot))}
+        mv.build_s += mv.inst.bind(tensors, mv.slot, mv.c, device, partial=mv.partial)
     for mv in order:
         mv.pending.wait(join=not prefetch)
         mv.slot.done = mv.pending.done
+        if mv.partial is not None:
+            host = pool.lookup(mv.key or mv.c.digest)
+            if host is None:
+                raise InternalError(
+                    f"{mv.c.folder}: streamed in part, and its bytes are not in the host tier"
+                )
+            mv.partial.start(mv.inst.module, host, tier.view(mv.slot), device)

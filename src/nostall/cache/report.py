@@ -44,6 +44,8 @@ class ComponentSwitch:
             at the new memory.
         hashed: for ``"disk"``, whether the reads also hashed every byte (the first
             read of files the digest index did not know).
+        streamed: resident in part (:mod:`nostall.cache.partial`): the bytes of its
+            blocks streamed from the host tier on every call (0: resident whole).
     """
 
     role: str
@@ -57,6 +59,7 @@ class ComponentSwitch:
     copy_s: float = 0.0
     build_s: float = 0.0
     hashed: bool = False
+    streamed: int = 0
 
     @property
     def moved(self) -> int:

@@ -230,6 +230,7 @@ class Loader:
         after: list[Any] | None = None,
         views: bool = True,
         digest: bool = False,
+        names: frozenset[str] | None = None,
     ) -> PendingLoad:
         """Like :meth:`load`, but return once every copy is issued; ``wait()`` ends it.
 
@@ -250,6 +251,9 @@ class Loader:
         :mod:`nostall.store.digest`); :attr:`PendingLoad.digests` then holds one
         digest per file. A memory-cache hit reads nothing and has none.
 
+        ``names``: only these tensors are copied to the target and returned (the rest of
+        a component streamed in part); the pool still caches the whole files.
+
         Every read compares each file's identity (``fstat``) with the one its header was
         read under, before and after the reads: a file rewritten or replaced meanwhile
         is a :class:`~nostall.FileChanged`, never a mix of two versions.
@@ -259,7 +263,7 @@ class Loader:
         if pool is not None and pool.closed:
             raise ClosedError("the pinned pool passed to load() is closed")
         ckpt = source if isinstance(source, Checkpoint) else resolve(source)
-        plan = LoadPlan(ckpt, dtype, mirror_file=dev.type == "cpu")
+        plan = LoadPlan(ckpt, dtype, mirror_file=dev.type == "cpu", names=names)
         if into is not None:
             _check_into(into, plan, dev)
         elif not views:

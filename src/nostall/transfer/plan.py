@@ -89,6 +89,10 @@ class LoadPlan:
     (fp16/bf16/fp32/fp64; fp8 and integer tensors keep theirs), or a mapping of
     tensor names to dtypes (names not in it keep theirs).
 
+    ``names``: only these tensors go into the target (a component resident in part,
+    :mod:`nostall.stream`); each keeps the alignment it has in the whole plan, and the
+    host layout stays the whole files'.
+
     >>> plan = LoadPlan(resolve("model.safetensors"), torch.bfloat16)  # doctest: +SKIP
     >>> plan.casts, plan.target_bytes  # doctest: +SKIP
     (True, 23782131712)
@@ -100,8 +104,10 @@ class LoadPlan:
         dtype: torch.dtype | Mapping[str, torch.dtype] | None = None,
         *,
         mirror_file: bool = False,
+        names: frozenset[str] | None = None,
     ):
         self.checkpoint = checkpoint
+        self.names = names
         files = checkpoint.files
         for d in _requested(dtype):
             if d not in CASTABLE:
@@ -120,6 +126,14 @@ class LoadPlan:
         self.host_bytes = max(h, HOST_ALIGN)
 
         entries = checkpoint.entries()
+        if names is not None:
+            unknown = sorted(names - {e.name for _, e in entries})
+            if unknown:
+                raise ArgumentError(
+                    f"{len(unknown)} tensor(s) asked for are not in the checkpoint, e.g. "
+                    f"{unknown[0]!r}"
+                )
+            entries = [(i, e) for i, e in entries if e.name in names]
         raw: list[tuple[int, object, torch.dtype, torch.dtype]] = []
         for i, e in entries:
             source = to_torch(e.dtype)
@@ -135,7 +149,8 @@ class LoadPlan:
             raw.append((i, e, source, target))
         self.casts = any(source != target for _, _, source, target in raw)
         aligned = all((e.begin - files[i].data_start) % TARGET_ALIGN == 0 for i, e, _, _ in raw)
-        self.packed = (aligned or mirror_file) and not self.casts
+        # (a subset is placed tensor by tensor: a data section holds the others too)
+        self.packed = (aligned or mirror_file) and not self.casts and names is None
 
         def place(d: int, mod: int) -> int:
             # The first offset >= d that is congruent to mod (mod TARGET_ALIGN).

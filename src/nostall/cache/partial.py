@@ -1,0 +1,244 @@
+"""Partial residency: a component larger than its share of the device tier, resident in
+part, its other blocks streamed from the host tier through a ring each call.
+
+When a pipeline cannot fit the device tier whole, its largest component made of
+repeated blocks (:func:`~nostall.stream.blocks.find_blocks`) is given what the others
+leave: :func:`partial_for` asks the cost model (:func:`nostall.stream.cost.plan`) which
+blocks stream, and lays the component's slot out as its *resident part* (every tensor
+but the streamed blocks', each at the alignment the whole layout gives it:
+:class:`~nostall.transfer.plan.LoadPlan` with ``names``) followed by the ring's
+buffers. Its bytes stay cached in the host tier (admitted whatever its request count,
+and held while it streams): each streamed block is copied from there every call.
+
+:class:`Partial` is that layout: the views the module adopts (resident tensors in the
+slot; a streamed block's tensors in its ring buffer, for good), and, once the loads
+have landed, the :class:`~nostall.stream.ring.BlockRing` that copies each streamed
+block's bytes from the host block into its buffer ahead of its compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from nostall.cache.device import GRANULE
+from nostall.cache.report import human_bytes
+from nostall.errors import BudgetExceeded
+from nostall.memory.host import round_up
+from nostall.store.catalog import ComponentEntry
+from nostall.stream import cost
+from nostall.stream.blocks import find_blocks
+from nostall.stream.ring import BlockRing, CpuStreams, CudaStreams
+from nostall.transfer.plan import LoadPlan
+
+__all__ = ["LINK_BYTES_S", "Partial", "host_refused", "partial_for", "streamed_in_switch"]
+
+ALIGN = 256  # a ring buffer starts where a tensor of the whole layout could
+LINK_BYTES_S = 50e9  # a prior of the host tier's link (H200 measured 52-55 GB/s)
+
+
+@dataclass(eq=False)
+class Partial:
+    """One component's partial layout in its slot (see the module)."""
+
+    plan: cost.Plan
+    resident: frozenset[str]  # tensors in the resident part
+    blocks: list[str]  # the streamed blocks' module names, execution order
+    block_plans: list[LoadPlan]  # each one's tensors in its ring buffer
+    resident_bytes: int  # the resident part, rounded up to ALIGN
+    slot_bytes: int  # one ring buffer
+    ring: BlockRing | None = None
+    host: Any = None  # the host tier's block it streams from, held while it does
+    events: list[Any] = field(default_factory=list)
+
+    @property
+    def depth(self) -> int:
+        return self.plan.depth
+
+    @property
+    def nbytes(self) -> int:
+        """The slot's bytes: the resident part and the ring."""
+        return self.resident_bytes + self.depth * self.slot_bytes
+
+    @property
+    def key(self) -> tuple:
+        """Two partials with one key lay a slot out alike."""
+        return (self.plan.streamed, self.depth)
+
+    def _buffer(self, slot_view: torch.Tensor, k: int) -> torch.Tensor:
+        at = self.resident_bytes + (k % self.depth) * self.slot_bytes
+        return slot_view[at : at + self.slot_bytes]
+
+    def ring_views(self, slot_view: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The streamed tensors as views of their blocks' ring buffers in ``slot_view``."""
+        out: dict[str, torch.Tensor] = {}
+        for k, bp in enumerate(self.block_plans):
+            out.update(bp.views(self._buffer(slot_view, k)))
+        return out
+
+    def start(
+        self, module: nn.Module, host: Any, slot_view: torch.Tensor, device: torch.device
+    ) -> None:
+        """Stream ``module``'s blocks from ``host`` (the host tier's block of the
+        component's files, held from now on) into their buffers in ``slot_view``."""
+        mods = dict(module.named_modules())
+        copies = []
+        for k, bp in enumerate(self.block_plans):
+            buffer = self._buffer(slot_view, k)
+            pairs = []
+            for i, f in enumerate(bp.checkpoint.files):
+                base = bp.host_base[i]
+                for piece in bp.pieces(i, f.data_start, f.data_end):
+                    lo, hi = base + piece.lo, base + piece.hi
+                    # one copy never spans two page-lock registrations (CUDA refuses it)
+                    for a, b in host.split(lo, hi):
+                        at = piece.offset + a - lo
+                        pairs.append((buffer[at : at + b - a], host.tensor[a:b]))
+            copies.append(pairs)
+        streams = CudaStreams(device) if device.type == "cuda" else CpuStreams()
+        self.host = host
+        self.ring = BlockRing([mods[n] for n in self.blocks], copies, self.depth, streams)
+        self.ring.install()
+
+    def stop(self) -> list[Any]:
+        """Unhook the ring and let the host block go; the events the slot's next
+        copies must wait for (the ring's copies still in flight)."""
+        events = []
+        if self.ring is not None:
+            events = [e for e in self.ring.landed if e is not None]
+            self.ring.remove()
+            self.ring = None
+        if self.host is not None:
+            for e in events:
+                self.host.fence(e)
+            self.host.release()
+            self.host = None
+        return events
+
+
+def _streamable(c: ComponentEntry, module: nn.Module, targets: Any, mirror_file: bool):
+    """``c``'s blocks that can stream (every tensor in the checkpoint, none cast on the
+    way in), each one's plan and bytes, and the bytes of the rest; ``None``: none can."""
+    names = {e.name for _, e in c.checkpoint.entries()}
+    blocks, plans = [], []
+    for b in find_blocks(module):
+        if not b.params or not set(b.params) <= names:
+            continue
+        bp = LoadPlan(c.checkpoint, targets, mirror_file=mirror_file, names=frozenset(b.params))
+        if bp.casts:  # (a cast is gathered on the way in: not one copy per block)
+            continue
+        blocks.append(b)
+        plans.append(bp)
+    if not blocks:
+        return None
+    in_blocks = set().union(*(b.params for b in blocks))
+    rest = LoadPlan(
+        c.checkpoint, targets, mirror_file=mirror_file, names=frozenset(names - in_blocks)
+    )
+    sizes = [round_up(bp.target_bytes, ALIGN) for bp in plans]
+    return names, blocks, plans, sizes, round_up(rest.target_bytes, ALIGN)
+
+
+def least_bytes(c: ComponentEntry, module: nn.Module, targets: Any, *, mirror_file: bool):
+    """The fewest device bytes ``c`` can be served in (every block streamed through one
+    buffer), or ``None`` when it cannot stream."""
+    found = _streamable(c, module, targets, mirror_file)
+    return None if found is None else found[4] + max(found[3])
+
+
+def partial_for(
+    c: ComponentEntry,
+    module: nn.Module,
+    targets: Any,
+    *,
+    mirror_file: bool,
+    budget: int,
+    link_bytes_s: float = LINK_BYTES_S,
+) -> Partial | None:
+    """``c``'s partial layout in ``budget`` bytes (``module``: its instance, on any
+    device; ``targets``: its tensors' dtypes), or ``None`` when no choice of streamed
+    blocks fits (or it has no block that can stream: repeated blocks whose every tensor
+    is in the checkpoint and keeps its stored dtype)."""
+    found = _streamable(c, module, targets, mirror_file)
+    if found is None:
+        return None
+    names, blocks, plans, sizes, rest = found
+    choice = cost.plan(sizes, rest, budget, link_bytes_s=link_bytes_s)
+    if choice is None or choice.resident:
+        return None
+    streamed = set(choice.streamed)
+    resident = frozenset(names - set().union(*(blocks[k].params for k in streamed)))
+    kept = LoadPlan(c.checkpoint, targets, mirror_file=mirror_file, names=resident)
+    part = Partial(
+        choice,
+        resident,
+        [blocks[k].name for k in choice.streamed],
+        [plans[k] for k in choice.streamed],
+        round_up(kept.target_bytes, ALIGN),
+        choice.slot_bytes,
+    )
+    return part if part.nbytes <= budget else None
+
+
+def streamed_in_switch(
+    cache: Any, comps: list[ComponentEntry], missing: list[ComponentEntry]
+) -> dict[str, Partial]:
+    """Which of a switch's ``missing`` components stream, and how, when its pipeline
+    (``comps``) cannot fit the device tier of ``cache`` (a
+    :class:`~nostall.cache.ModelCache`, under its lock) whole: the largest one whose
+    partial layout fits beside the others (resident ones as they are). Empty when it
+    fits whole, or when no component can stream."""
+    tier = cache._tier
+    sizes = {}
+    for c in comps:
+        slot = tier.slots.get(c.digest)
+        if slot is not None and slot.ready:
+            sizes[c.digest] = slot.size
+        else:
+            sizes[c.digest] = tier.slot_size(cache._modules.planned(c.digest).target_bytes)
+    total = sum(sizes.values())
+    if total <= tier.budget:
+        return {}
+    mirror = cache.device.type == "cpu"
+    least: tuple[int, ComponentEntry] | None = None  # the smallest a part could be
+    for c in sorted(missing, key=lambda c: -sizes[c.digest]):
+        inst = cache._modules.template(c)
+        room = tier.budget - (total - sizes[c.digest]) - GRANULE  # (its slot is rounded up)
+        part = partial_for(c, inst.module, inst.targets, mirror_file=mirror, budget=room)
+        if part is not None:
+            return {c.digest: part}
+        if least is None:
+            smallest = least_bytes(c, inst.module, inst.targets, mirror_file=mirror)
+            if smallest is not None:
+                least = (total - sizes[c.digest] + smallest, c)
+    name = cache._describe(comps[0].digest).split("/")[0]
+    how = (
+        f"; streaming {cache._describe(least[1].digest)}'s blocks, it needs at least "
+        f"{human_bytes(least[0])}"
+        if least is not None
+        else "; none of its components has repeated blocks that could stream"
+    )
+    raise BudgetExceeded(
+        f"{name} needs {human_bytes(total)} on the device whole, more than the GPU tier's "
+        f"{human_bytes(tier.budget)}{how}: raise gpu_budget, or load it in a smaller dtype",
+        tier="gpu",
+        requested=total,
+        budget=tier.budget,
+        in_use=0,
+    )
+
+
+def host_refused(what: str, plan: LoadPlan, budget: int) -> BudgetExceeded:
+    """The error of a component that would stream from a host tier that cannot hold it."""
+    return BudgetExceeded(
+        f"{what} streams in part from the host tier, which cannot hold its "
+        f"{human_bytes(plan.host_bytes)}: give a larger host_budget, or a device budget "
+        "that holds it whole",
+        tier="host",
+        requested=plan.host_bytes,
+        budget=budget,
+        in_use=0,
+    )

@@ -1,0 +1,161 @@
+"""The ring: streamed blocks' weights copied into a few device buffers just ahead of use.
+
+A :class:`BlockRing` serves the streamed blocks of one module (execution order ``0 …
+S-1``) through ``depth`` device buffers: block ``k``'s parameters view buffer ``k %
+depth`` for good (they are pointed there once, when the module is bound, so no
+parameter changes between calls and a compiled block keeps its graph), and its bytes
+are copied there before it runs. :mod:`nostall.stream.cost` states the rule and
+predicts its time:
+
+* before block ``k`` runs (a forward pre-hook), the compute stream waits for the event
+  its copy recorded (a wait on the GPU, never on the CPU);
+* after it ran (a forward hook), an event on the compute stream marks its buffer free,
+  and the copy of the next block that uses the buffer is issued on the copy stream
+  behind that event: block ``k + depth``, or near the end of the call the next call's
+  block ``k % depth``, which therefore lands while this call finishes.
+
+A block found not loaded when it is about to run (the first call, a call cut short by
+an error, a module that runs its blocks in another order) is copied there and then,
+behind everything queued on the compute stream so far: slower, never wrong. No block
+allocates: the buffers are the caller's (a slot of the cache's device tier).
+
+The streams are an object of their own (:class:`CudaStreams`, :class:`CpuStreams`,
+or a test's fake that records what was ordered after what).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+__all__ = ["BlockRing", "CpuStreams", "CudaStreams"]
+
+Copies = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (device destination, host source)
+
+
+class CudaStreams:
+    """Copies on a copy stream of the ring's own; waits and events on the calling
+    thread's current stream."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.copy = torch.cuda.Stream(device)
+
+    def issue(self, copies: Copies, after: Any) -> Any:
+        """Copy ``copies`` once ``after`` (an event, or ``None``) has happened; the
+        event that marks them done."""
+        with torch.cuda.stream(self.copy):
+            if after is not None:
+                self.copy.wait_event(after)
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
+            return self.copy.record_event()
+
+    def wait(self, event: Any) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def mark(self) -> Any:
+        return torch.cuda.current_stream(self.device).record_event()
+
+
+class CpuStreams:
+    """The CPU's: every copy done when issued, nothing to wait for."""
+
+    def issue(self, copies: Copies, after: Any) -> Any:
+        for dst, src in copies:
+            dst.copy_(src)
+        return None
+
+    def wait(self, event: Any) -> None:
+        pass
+
+    def mark(self) -> Any:
+        return None
+
+
+class BlockRing:
+    """Streams ``blocks`` (their modules, in execution order) through ``depth``
+    buffers (see the module). ``copies[k]``: the ``(destination, source)`` pairs that
+    fill block ``k``'s buffer (destinations: views of buffer ``k % depth``; sources:
+    host memory that stays readable while the ring is installed)."""
+
+    def __init__(
+        self,
+        blocks: Sequence[nn.Module],
+        copies: Sequence[Copies],
+        depth: int,
+        streams: Any,
+    ):
+        if len(blocks) != len(copies):
+            raise ValueError("one list of copies per streamed block")
+        if depth < 1:
+            raise ValueError("a ring of at least one buffer")
+        self.blocks = list(blocks)
+        self.copies = [list(c) for c in copies]
+        self.depth = depth
+        self.streams = streams
+        self.loaded: list[int | None] = [None] * depth  # the block each buffer holds
+        self.landed: list[Any] = [None] * depth  # the event its copy recorded
+        self.copied_bytes = 0
+        self.misses = 0
+        self._hooks: list[Any] = []
+
+    @property
+    def nbytes(self) -> list[int]:
+        """The bytes each block's copies move."""
+        return [sum(d.numel() * d.element_size() for d, _ in c) for c in self.copies]
+
+    def install(self) -> None:
+        """Hook the blocks (idempotent)."""
+        if self._hooks:
+            return
+        for k, block in enumerate(self.blocks):
+            self._hooks.append(block.register_forward_pre_hook(self._before(k)))
+            self._hooks.append(block.register_forward_hook(self._after(k)))
+
+    def remove(self) -> None:
+        """Unhook the blocks; their buffers count as holding nothing."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.loaded = [None] * self.depth
+        self.landed = [None] * self.depth
+
+    def _issue(self, k: int, after: Any) -> None:
+        slot = k % self.depth
+        self.landed[slot] = self.streams.issue(self.copies[k], after)
+        self.loaded[slot] = k
+        self.copied_bytes += self.nbytes_of(k)
+
+    def nbytes_of(self, k: int) -> int:
+        return sum(d.numel() * d.element_size() for d, _ in self.copies[k])
+
+    def _before(self, k: int):
+        def hook(module: nn.Module, args: Any) -> None:
+            slot = k % self.depth
+            if self.loaded[slot] != k:
+                # not there (a first call, a call cut short, another order): copied now,
+                # behind everything already queued on the compute stream
+                self.misses += 1
+                self._issue(k, self.streams.mark())
+                if k == 0:  # a cold ring: the next buffers' blocks start coming too
+                    mark = self.streams.mark()
+                    for j in range(1, min(self.depth, len(self.blocks))):
+                        if self.loaded[j % self.depth] != j:
+                            self._issue(j, mark)
+            self.streams.wait(self.landed[slot])
+
+        return hook
+
+    def _after(self, k: int):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            n = len(self.blocks)
+            nxt = k + self.depth if k + self.depth < n else k % self.depth
+            if nxt != k:  # (with depth or fewer blocks, each keeps its buffer)
+                self._issue(nxt, self.streams.mark())
+
+        return hook
