@@ -99,3 +99,21 @@ def test_a_budget_too_small_even_to_stream_is_refused_naming_what_does_not_fit(s
     c = nostall.ModelCache(store, device="cpu", gpu_budget=budget, cache_dir=tmp_path)
     with c, pytest.raises(BudgetExceeded, match=r"sd3 needs .* at least"), c.use("sd3"):
         pass
+
+
+def test_loras_on_a_streamed_pipeline_are_refused_and_nothing_stays_held(store, tmp_path):
+    from nostall.errors import UnsupportedError
+    from nostall.synthetic import write_lora
+
+    path = tmp_path / "l.safetensors"
+    write_lora(store / "sdxl", path, rank=4)
+    sizes = _sizes(store, tmp_path, "sdxl")
+    budget = sum(sizes.values()) - sizes["unet"] // 5
+    c = nostall.ModelCache(store, device="cpu", gpu_budget=budget, cache_dir=tmp_path)
+    with c:
+        refused = pytest.raises(UnsupportedError, match="resident in part")
+        with refused, c.use("sdxl", loras={str(path): 1.0}):
+            pass
+        assert all(s.uses == 0 for s in c._tier.slots.values())
+        with c.use("sdxl") as pipe:
+            np.testing.assert_array_equal(run(pipe, "sdxl"), reference(store, "sdxl"))

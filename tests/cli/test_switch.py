@@ -70,3 +70,21 @@ def test_switch_fuses_loras_and_says_so(tiny_store):
     assert isinstance(unknown.exception, UnknownModel) and "did you mean style" in str(
         unknown.exception
     )
+
+
+def test_switch_explain_prints_the_plan_of_a_pipeline_resident_in_part(tiny_store, tmp_path):
+    from nostall.cache import ModelCache
+    from nostall.cache.partial import least_pipeline_bytes
+
+    with ModelCache(tiny_store, device="cpu", cache_dir=tmp_path) as c:
+        with c.use("sdxl"):
+            pass
+        whole, least = c.stats().gpu_bytes, least_pipeline_bytes(c, "sdxl")
+    gb = f"{(whole + least) / 2 / 1e9:.7f}"  # between the least it needs and all of it
+    args = ["switch", "--models", str(tiny_store), "--device", "cpu", "--gpu-gb", gb]
+    result = runner.invoke(app, [*args, "--steps", "2", "--size", "32", "--explain", "sdxl"])
+    assert result.exit_code == 0, result.output
+    assert "sdxl/unet resident in part" in result.output
+    assert "streamed per call" in result.output  # the switch table's note
+    result = runner.invoke(app, [*args[:5], "--explain", "sdxl"])  # no budget: all of it
+    assert "every component resident whole" in result.output

@@ -427,3 +427,33 @@ def test_the_status_tells_a_router_each_models_switch_price_and_the_wait(worker,
         f.result(120)
     after = w.status()
     assert after["estimated_wait_s"] == 0.0 and after["queue_by_model"] == {}
+
+
+def test_a_pipeline_larger_than_the_gpu_tier_is_served_streamed_the_same_image(store):
+    """Issue #32: a worker whose device tier cannot hold SDXL whole serves it with its
+    UNet resident in part (a pipeline it once refused to start with)."""
+    from nostall.cache.partial import least_pipeline_bytes
+    from nostall.errors import BudgetExceeded
+    from nostall.serve.worker import Worker
+
+    models = {"sdxl": store / "sdxl"}
+    whole = Worker(models, device="cpu", prepare=False).start()
+    try:
+        ref = _png(_submit(whole, model="sdxl")[0].result(60))
+        need = whole.cache.stats().gpu_bytes
+        least = least_pipeline_bytes(whole.cache, "sdxl")
+    finally:
+        whole.shutdown()
+    assert least is not None and least < need
+    tight = Worker(models, device="cpu", gpu_budget=(least + need) // 2, prepare=False).start()
+    try:
+        for _ in range(2):
+            result = _submit(tight, model="sdxl")[0].result(60)
+            np.testing.assert_array_equal(_png(result), ref)
+        unet = next(c for c in result.switch["components"] if c["role"] == "unet")
+        assert unet["streamed"] > 0 and unet["tier"] == "device"  # resident, in part
+        assert any(c.streamed for r in tight.cache.reports for c in r.components)
+    finally:
+        tight.shutdown()
+    with pytest.raises(BudgetExceeded, match="can never hold"):
+        Worker(models, device="cpu", gpu_budget=least // 2, prepare=False).start()

@@ -55,7 +55,7 @@ from nostall.cache.host import HostTier, cpu_tier_bytes, parse_host_tier, store_
 from nostall.cache.modules import Instance, Instances
 from nostall.cache.moves import Move, issue
 from nostall.cache.parking import park
-from nostall.cache.partial import host_refused, streamed_in_switch
+from nostall.cache.partial import host_refused, no_loras_streamed, streamed_in_switch
 from nostall.cache.pipelines import Pipelines
 from nostall.cache.report import CacheStats, ComponentSwitch, SwitchReport, collect_stats
 from nostall.errors import (
@@ -264,6 +264,8 @@ class ModelCache:
         pipe, _, hold = self._switch(name, mode="use", without=without)
         entered: list[Any] = []
         try:
+            if wanted:
+                no_loras_streamed(self, name, hold.digests)
             entered = self._attach(base, pipe, wanted, _roles(without))
             hold.name, hold.without, hold.parkable = name, _roles(without), not wanted
             yield pipe
@@ -530,8 +532,11 @@ class ModelCache:
             prior = priors[c.digest] = self._host.request(c.digest)
             slot = self._tier.slots.get(c.digest)
             if slot is not None and slot.ready:
+                inst = self._modules.viewing(c.digest)
+                part = inst.partial if inst is not None else None
+                streamed = part.plan.streamed_bytes if part is not None else 0
                 rows[c.digest] = ComponentSwitch(
-                    c.role, c.class_name, c.digest[:12], slot.nbytes, gpu
+                    c.role, c.class_name, c.digest[:12], slot.nbytes, gpu, streamed=streamed
                 )
                 continue
             plan, build_s = self._modules.plan(c)

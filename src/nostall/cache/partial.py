@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from nostall.cache.device import GRANULE
 from nostall.cache.report import human_bytes
-from nostall.errors import BudgetExceeded
+from nostall.errors import BudgetExceeded, UnsupportedError
 from nostall.memory.host import round_up
 from nostall.store.catalog import ComponentEntry
 from nostall.stream import cost
@@ -34,7 +34,16 @@ from nostall.stream.blocks import find_blocks
 from nostall.stream.ring import BlockRing, CpuStreams, CudaStreams
 from nostall.transfer.plan import LoadPlan
 
-__all__ = ["LINK_BYTES_S", "Partial", "host_refused", "partial_for", "streamed_in_switch"]
+__all__ = [
+    "LINK_BYTES_S",
+    "Partial",
+    "explain",
+    "host_refused",
+    "least_pipeline_bytes",
+    "no_loras_streamed",
+    "partial_for",
+    "streamed_in_switch",
+]
 
 ALIGN = 256  # a ring buffer starts where a tensor of the whole layout could
 LINK_BYTES_S = 50e9  # a prior of the host tier's link (H200 measured 52-55 GB/s)
@@ -242,3 +251,62 @@ def host_refused(what: str, plan: LoadPlan, budget: int) -> BudgetExceeded:
         budget=budget,
         in_use=0,
     )
+
+
+def least_pipeline_bytes(
+    cache: Any, name: str, without: frozenset[str] = frozenset()
+) -> int | None:
+    """The fewest device-tier bytes ``cache`` can serve pipeline ``name`` (less the
+    roles in ``without``) in: its other components whole, its largest one that can
+    stream in part through one buffer; ``None`` when none of them can stream."""
+    comps = cache.store.entry(name).distinct_weights(frozenset(without))
+    mirror = cache.device.type == "cpu"
+    with cache._lock:
+        sizes = {
+            c.digest: cache._tier.slot_size(cache._modules.plan(c)[0].target_bytes) for c in comps
+        }
+        total = sum(sizes.values())
+        for c in sorted(comps, key=lambda c: -sizes[c.digest]):
+            inst = cache._modules.template(c)
+            least = least_bytes(c, inst.module, inst.targets, mirror_file=mirror)
+            if least is not None:
+                return total - sizes[c.digest] + least + GRANULE
+    return None
+
+
+def no_loras_streamed(cache: Any, name: str, digests: Any) -> None:
+    """Refuse LoRAs on pipeline ``name`` while one of its components (``digests``)
+    streams: its blocks are copied from the host tier's base weights every call, so a
+    LoRA fused into them would be gone by the next."""
+    with cache._lock:
+        streamed = [d for d in digests if (i := cache._modules.viewing(d)) and i.partial]
+    if streamed:
+        raise UnsupportedError(
+            f"{name}: LoRAs on a pipeline served resident in part ({cache._describe(streamed[0])} "
+            "streams its blocks) are not served yet; give a device budget that holds it "
+            "whole, or call it without loras"
+        )
+
+
+def explain(cache: Any, name: str) -> list[dict[str, Any]]:
+    """For ``nostall switch --explain``: each component of pipeline ``name`` now on the
+    device resident in part, with its plan (:meth:`cost.Plan.as_dict`), the streamed
+    blocks' names and the ring's copies and misses so far."""
+    out = []
+    with cache._lock:
+        for c in cache.store.entry(name).distinct_weights():
+            inst = cache._modules.viewing(c.digest)
+            if inst is None or inst.partial is None:
+                continue
+            part = inst.partial
+            ring = part.ring
+            out.append(
+                {
+                    "role": c.role,
+                    **part.plan.as_dict(),
+                    "blocks": list(part.blocks),
+                    "copied_bytes": ring.copied_bytes if ring is not None else 0,
+                    "misses": ring.misses if ring is not None else 0,
+                }
+            )
+    return out

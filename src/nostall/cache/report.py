@@ -133,6 +133,8 @@ class SwitchReport:
             note = []
             if c.in_place:
                 note.append("in place")
+            if c.streamed:
+                note.append(f"resident in part: {human_bytes(c.streamed)} streamed per call")
             if c.tier == "disk":
                 note.append("kept in host tier" if c.cached else "not admitted to host tier")
                 if c.hashed:

@@ -91,6 +91,12 @@ def switch(
         help="NAME:SCALE (repeatable): fuse this LoRA into every pipeline switched to; NAME "
         "is a file of <models>/loras/ without .safetensors, or a path.",
     ),
+    explain: bool = typer.Option(
+        False,
+        "--explain",
+        help="After each switch, print the plan of each component resident in part: which "
+        "blocks stream, the ring, the bytes per call.",
+    ),
 ) -> None:
     """Switch among pipelines of a store and print, per switch, where each component came
     from and what each phase cost (and the LoRAs fused, and how long that took)."""
@@ -127,7 +133,30 @@ def switch(
                 )
             if run_s is not None:
                 console.print(f"  {steps} denoising steps at {size}x{size}: {run_s:.3f} s")
+            if explain:
+                _explain(cache, name)
         console.print(_tiers_table(cache.stats()))
+
+
+def _explain(cache, name: str) -> None:
+    """The partial-residency plans of ``name``'s components (``--explain``)."""
+    from nostall.cache.partial import explain
+    from nostall.cache.report import human_bytes
+
+    plans = explain(cache, name)
+    if not plans:
+        console.print(f"  {name}: every component resident whole")
+    for p in plans:
+        blocks = p["blocks"]
+        shown = ", ".join(blocks[:4]) + (f", … ({len(blocks)} in all)" if len(blocks) > 4 else "")
+        console.print(
+            f"  {name}/{p['role']} resident in part: {p['streamed_blocks']} blocks stream "
+            f"({shown}) through {p['depth']} buffer(s) of {human_bytes(p['slot_bytes'])}; "
+            f"{human_bytes(p['resident_bytes'])} stay; {human_bytes(p['streamed_bytes'])} "
+            f"cross the link per call; copied so far {human_bytes(p['copied_bytes'])}, "
+            f"{p['misses']} block(s) not there in time",
+            highlight=False,
+        )
 
 
 def _lora_option(value: str) -> tuple[str, float]:

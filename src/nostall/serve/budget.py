@@ -38,7 +38,7 @@ import logging
 import os
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -117,9 +117,12 @@ def unfit(
     tier: int,
     dtype: torch.dtype | None,
     budget: DeviceBudget | None = None,
+    least: Callable[[PipelineEntry, frozenset[str]], int | None] | None = None,
 ) -> BudgetExceeded | None:
     """The error naming every pipeline whose job the device tier of ``tier`` bytes can
-    never hold, ``None`` when all fit. A job needs its pipeline's distinct weights
+    never hold, ``None`` when all fit. ``least(entry, roles left out)``: the fewest
+    bytes the cache can serve a pipeline in, its largest component streamed in part
+    (:mod:`nostall.cache.partial`; ``None``: it cannot stream). A job needs its pipeline's distinct weights
     components at once, but the roles it leaves out (``jobs``: ``(entry, roles)``; no
     text encoders where an embedding service stands in), and of a two-expert pipeline
     (Wan 2.2 A14B) only the larger expert, and that beside the rest but its text
@@ -141,6 +144,18 @@ def unfit(
             text = sum(n for r, n in sizes.items() if r.startswith("text_encoder"))
             larger = max(sizes[r] for r in experts)
             need = max(need - text, need - larger)
+        if need > tier and experts is None and least is not None:
+            fewest = least(entry, leaves_out)
+            if fewest is not None and fewest <= tier:
+                log.info(
+                    "%s needs %s whole, more than the GPU tier's %s: it is served with its "
+                    "largest component resident in part (%s at least)",
+                    entry.name,
+                    human_bytes(need),
+                    human_bytes(tier),
+                    human_bytes(fewest),
+                )
+                continue
         if need > tier:
             role = max(sizes, key=sizes.__getitem__)
             most = max(most, need)

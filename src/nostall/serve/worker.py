@@ -44,6 +44,7 @@ import torch
 
 from nostall.cache import ModelCache, Store
 from nostall.cache.config import resolve_config
+from nostall.cache.partial import least_pipeline_bytes
 from nostall.cache.report import human_bytes
 from nostall.errors import (  # the job errors live in the one tree; imported here as before
     ArgumentError,
@@ -367,7 +368,15 @@ class Worker:
                 self._leave_out(name, e)
                 continue
             names.append(name)
-        error = unfit(jobs, self.cache.stats().gpu_budget, self.cache.dtype, self.budget)
+        least = None
+        if self.cache.config.stream:
+
+            def least(entry: Any, leaves_out: frozenset[str]) -> int | None:
+                return least_pipeline_bytes(self.cache, entry.name, leaves_out)
+
+        error = unfit(
+            jobs, self.cache.stats().gpu_budget, self.cache.dtype, self.budget, least=least
+        )
         if error is not None:
             raise error
         return names
