@@ -117,3 +117,21 @@ def test_loras_on_a_streamed_pipeline_are_refused_and_nothing_stays_held(store, 
         assert all(s.uses == 0 for s in c._tier.slots.values())
         with c.use("sdxl") as pipe:
             np.testing.assert_array_equal(run(pipe, "sdxl"), reference(store, "sdxl"))
+
+
+def test_a_component_streams_from_a_shared_host_tier_too(store, tmp_path, monkeypatch):
+    monkeypatch.setenv("NOSTALL_SHM_DIR", str(tmp_path))
+    sizes = _sizes(store, tmp_path, "sdxl")
+    budget = sum(sizes.values()) - sizes["unet"] // 5
+    with nostall.ModelCache(
+        store,
+        device="cpu",
+        gpu_budget=budget,
+        host_budget=64 << 20,
+        host_tier="shared:partial",
+        cache_dir=tmp_path,
+    ) as cache:
+        for _ in range(2):
+            with cache.use("sdxl") as pipe:
+                np.testing.assert_array_equal(run(pipe, "sdxl"), reference(store, "sdxl"))
+        assert any(c.streamed for c in cache.last_report.components)

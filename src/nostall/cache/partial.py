@@ -197,9 +197,12 @@ def streamed_in_switch(
 ) -> dict[str, Partial]:
     """Which of a switch's ``missing`` components stream, and how, when its pipeline
     (``comps``) cannot fit the device tier of ``cache`` (a
-    :class:`~nostall.cache.ModelCache`, under its lock) whole: the largest one whose
-    partial layout fits beside the others (resident ones as they are). Empty when it
-    fits whole, or when no component can stream."""
+    :class:`~nostall.cache.ModelCache`, under its lock) whole (empty when it fits).
+
+    First the components a request calls once, its text encoders, stream all their
+    blocks (largest first, while it does not fit): a byte they leave on the host is
+    read once a request, a byte of the denoiser once a step. Then the largest other
+    component streams what still does not fit, as the cost model chooses."""
     tier = cache._tier
     sizes = {}
     for c in comps:
@@ -212,14 +215,37 @@ def streamed_in_switch(
     if total <= tier.budget:
         return {}
     mirror = cache.device.type == "cpu"
+    parts: dict[str, Partial] = {}
+
+    def part_of(c: ComponentEntry, budget: int) -> Partial | None:
+        inst = cache._modules.template(c)
+        return partial_for(c, inst.module, inst.targets, mirror_file=mirror, budget=budget)
+
+    once = [c for c in missing if c.role.startswith("text_encoder")]
+    for c in sorted(once, key=lambda c: -sizes[c.digest]):
+        if total <= tier.budget:
+            return parts
+        inst = cache._modules.template(c)
+        found = _streamable(c, inst.module, inst.targets, mirror)
+        if found is None:
+            continue
+        part = part_of(c, found[4] + 2 * max(found[3]))  # all its blocks, two buffers
+        if part is not None and part.nbytes + GRANULE < sizes[c.digest]:
+            parts[c.digest] = part
+            total += tier.slot_size(part.nbytes) - sizes[c.digest]
+            sizes[c.digest] = tier.slot_size(part.nbytes)
+    if total <= tier.budget:
+        return parts
     least: tuple[int, ComponentEntry] | None = None  # the smallest a part could be
     for c in sorted(missing, key=lambda c: -sizes[c.digest]):
-        inst = cache._modules.template(c)
+        if c.digest in parts:
+            continue
         room = tier.budget - (total - sizes[c.digest]) - GRANULE  # (its slot is rounded up)
-        part = partial_for(c, inst.module, inst.targets, mirror_file=mirror, budget=room)
+        part = part_of(c, room)
         if part is not None:
-            return {c.digest: part}
+            return {**parts, c.digest: part}
         if least is None:
+            inst = cache._modules.template(c)
             smallest = least_bytes(c, inst.module, inst.targets, mirror_file=mirror)
             if smallest is not None:
                 least = (total - sizes[c.digest] + smallest, c)
@@ -257,16 +283,26 @@ def least_pipeline_bytes(
     cache: Any, name: str, without: frozenset[str] = frozenset()
 ) -> int | None:
     """The fewest device-tier bytes ``cache`` can serve pipeline ``name`` (less the
-    roles in ``without``) in: its other components whole, its largest one that can
-    stream in part through one buffer; ``None`` when none of them can stream."""
+    roles in ``without``) in, as :func:`streamed_in_switch` would: its text encoders
+    with every block streamed through two buffers, its largest other component that
+    can stream through one, the rest whole; ``None`` when that other cannot stream."""
     comps = cache.store.entry(name).distinct_weights(frozenset(without))
     mirror = cache.device.type == "cpu"
     with cache._lock:
-        sizes = {
-            c.digest: cache._tier.slot_size(cache._modules.plan(c)[0].target_bytes) for c in comps
-        }
+        sizes = {}
+        for c in comps:
+            whole = cache._tier.slot_size(cache._modules.plan(c)[0].target_bytes)
+            sizes[c.digest] = whole
+            if c.role.startswith("text_encoder"):
+                inst = cache._modules.template(c)
+                found = _streamable(c, inst.module, inst.targets, mirror)
+                if found is not None:
+                    part = found[4] + 2 * max(found[3])
+                    sizes[c.digest] = min(whole, cache._tier.slot_size(part) + GRANULE)
         total = sum(sizes.values())
         for c in sorted(comps, key=lambda c: -sizes[c.digest]):
+            if c.role.startswith("text_encoder"):
+                continue
             inst = cache._modules.template(c)
             least = least_bytes(c, inst.module, inst.targets, mirror_file=mirror)
             if least is not None:
