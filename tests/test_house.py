@@ -148,7 +148,11 @@ LAYERS = [
     {"store"},  # where weights live: formats, readers, object storage, the catalog
     {"memory"},  # host memory: pinned pools, the shared tier
     {"transfer"},  # host → device
-    {"assemble", "video"},  # modules and pipelines built on device weights; frames out
+    {
+        "assemble",
+        "video",
+        "stream",
+    },  # modules built on device weights; blocks streamed in; frames out
     {"quant"},
     {"api"},  # load_state_dict / load_model
     {"adapters", "verify"},

@@ -27,6 +27,7 @@ def test_all_is_exactly_the_public_surface():
         "demo",
         "quant",
         "serve",
+        "stream",
         "synthetic",
     }
     assert set(nostall.__all__) - {"__version__"} == public

@@ -59,6 +59,8 @@ class Partial:
     block_plans: list[LoadPlan]  # each one's tensors in its ring buffer
     resident_bytes: int  # the resident part, rounded up to ALIGN
     slot_bytes: int  # one ring buffer
+    all_blocks: list[str] = field(default_factory=list)  # every block that can stream
+    block_bytes: list[int] = field(default_factory=list)  # their bytes (plan.streamed: indexes)
     ring: BlockRing | None = None
     host: Any = None  # the host tier's block it streams from, held while it does
     events: list[Any] = field(default_factory=list)
@@ -188,6 +190,8 @@ def partial_for(
         [plans[k] for k in choice.streamed],
         round_up(kept.target_bytes, ALIGN),
         choice.slot_bytes,
+        [b.name for b in blocks],
+        list(sizes),
     )
     return part if part.nbytes <= budget else None
 
@@ -341,6 +345,8 @@ def explain(cache: Any, name: str) -> list[dict[str, Any]]:
                     "role": c.role,
                     **part.plan.as_dict(),
                     "blocks": list(part.blocks),
+                    "all_blocks": list(part.all_blocks),
+                    "block_bytes": list(part.block_bytes),
                     "copied_bytes": ring.copied_bytes if ring is not None else 0,
                     "misses": ring.misses if ring is not None else 0,
                 }

@@ -28,6 +28,7 @@ __all__ = [
     "bench_load",
     "bench_remote",
     "bench_serve",
+    "bench_stream",
     "bench_switch",
     "bench_video",
 ]
@@ -406,6 +407,66 @@ def bench_catalog(
             work=work,
             elsewhere=away,
             preempt=preempt,
+            log=_log,
+            save=lambda r: write_report(r, out, overwrite=True),
+        )
+    write_report(report, out, overwrite=True)
+    _show(bench.tables(report))
+    console.print(f"report written to {out}")
+
+
+@bench_app.command("stream")
+def bench_stream(
+    size: str = typer.Option(
+        "full",
+        help="full (FLUX.1-dev bf16 1024² 28 steps; Wan 2.1 T2V-14B bf16 832x480 33 frames 20 "
+        "steps) or tiny (seconds on a CPU).",
+    ),
+    device: str = device_option(_DEVICE),
+    models: str = typer.Option(
+        None, help="A store holding the parts' pipelines (default: written)."
+    ),
+    part: list[str] = typer.Option(  # noqa: B008
+        None, "--part", help="flux, wan (repeatable; default: both)."
+    ),
+    budget_gb: list[float] = typer.Option(  # noqa: B008
+        None, "--budget-gb", help="Device budgets in GB (repeatable; default: 24 and 16)."
+    ),
+    system: list[str] = typer.Option(  # noqa: B008
+        None,
+        "--system",
+        help="resident, nostall, group-offload, sequential (repeatable; default: all).",
+    ),
+    rounds: int = typer.Option(2, callback=in_range(1), help="Interleaved rounds."),
+    work: str = typer.Option(None, help="Where stores are written (default: a temp folder)."),
+    out: str = typer.Option(f"{BENCH_OUT}/stream.json", help="JSON report path."),
+    overwrite: bool = typer.Option(False, help="Replace an existing report at --out."),
+) -> None:
+    """A pipeline larger than the device budget, resident in part (its blocks streamed
+    from the pinned host tier), against diffusers' group and sequential offload and the
+    fully resident pipeline, interleaved (issue #32)."""
+    from nostall.bench import stream as bench
+    from nostall.bench.record import write_report
+
+    check_choices([size], ("tiny", "full"), "--size")
+    parts = check_choices(part or bench.PARTS, tuple(bench.PARTS), "--part")
+    systems = check_choices(system or bench.SYSTEMS, bench.SYSTEMS, "--system")
+    for gb in budget_gb or ():
+        if not gb > 0:
+            raise typer.BadParameter(
+                f"must be a positive number of GB, got {gb}", param_hint="--budget-gb"
+            )
+    check_output(out, hint="--out", overwrite=overwrite)
+    with usage_errors():
+        report = bench.run_stream_bench(
+            size=size,
+            device=device,
+            models=models,
+            parts=tuple(parts),
+            budgets_gb=tuple(budget_gb or (24.0, 16.0)),
+            systems=tuple(systems),
+            rounds=rounds,
+            work=work,
             log=_log,
             save=lambda r: write_report(r, out, overwrite=True),
         )
