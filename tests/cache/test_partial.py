@@ -91,7 +91,8 @@ def test_without_stream_a_pipeline_larger_than_the_tier_is_refused(store, tmp_pa
 
 def test_a_budget_too_small_even_to_stream_is_refused_naming_what_does_not_fit(store, tmp_path):
     c = nostall.ModelCache(store, device="cpu", gpu_budget=400 * KB, cache_dir=tmp_path)
-    with c, pytest.raises(BudgetExceeded, match=r"flux needs .* at least"), c.use("flux"):
+    refused = pytest.raises(BudgetExceeded, match=r"flux needs .* at least .*transformer_blocks")
+    with c, refused, c.use("flux"):
         pass
     # the tiny SD3's transformer is mostly its position embedding: no block to spare
     sizes = _sizes(store, tmp_path, "sd3")
@@ -135,3 +136,18 @@ def test_a_component_streams_from_a_shared_host_tier_too(store, tmp_path, monkey
             with cache.use("sdxl") as pipe:
                 np.testing.assert_array_equal(run(pipe, "sdxl"), reference(store, "sdxl"))
         assert any(c.streamed for c in cache.last_report.components)
+
+
+def test_a_host_tier_that_cannot_hold_the_streamed_part_is_a_typed_error(
+    store, tmp_path, monkeypatch
+):
+    sizes = _sizes(store, tmp_path, "sdxl")
+    budget = sum(sizes.values()) - sizes["unet"] // 5
+    c = nostall.ModelCache(store, device="cpu", gpu_budget=budget, cache_dir=tmp_path)
+    # (the smallest pool is 2 MiB, more than the tiny UNet: its admission says no instead)
+    monkeypatch.setattr(c._host, "admit", lambda *a, **kw: False)
+    with c:
+        with pytest.raises(BudgetExceeded, match="host tier") as info, c.use("sdxl"):
+            pass
+        assert info.value.tier == "host"
+        assert not c._tier.slots  # the switch's new slots were given back

@@ -18,6 +18,7 @@ block's bytes from the host block into its buffer ahead of its compute.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +46,10 @@ __all__ = [
     "streamed_in_switch",
 ]
 
+log = logging.getLogger(__name__)
+
 ALIGN = 256  # a ring buffer starts where a tensor of the whole layout could
+_SAID: set[str] = set()  # components said to have no blocks
 LINK_BYTES_S = 50e9  # a prior of the host tier's link (H200 measured 52-55 GB/s)
 
 
@@ -135,7 +139,11 @@ def _streamable(c: ComponentEntry, module: nn.Module, targets: Any, mirror_file:
     way in), each one's plan and bytes, and the bytes of the rest; ``None``: none can."""
     names = {e.name for _, e in c.checkpoint.entries()}
     blocks, plans = [], []
-    for b in find_blocks(module):
+    found = find_blocks(module)
+    if not found and c.digest not in _SAID:
+        _SAID.add(c.digest)  # (once: whole-component residency only)
+        log.info("%s: no repeated blocks: it is resident whole or not at all", c.folder)
+    for b in found:
         if not b.params or not set(b.params) <= names:
             continue
         bp = LoadPlan(c.checkpoint, targets, mirror_file=mirror_file, names=frozenset(b.params))
@@ -158,6 +166,15 @@ def least_bytes(c: ComponentEntry, module: nn.Module, targets: Any, *, mirror_fi
     buffer), or ``None`` when it cannot stream."""
     found = _streamable(c, module, targets, mirror_file)
     return None if found is None else found[4] + max(found[3])
+
+
+def largest_block(c: ComponentEntry, module: nn.Module, targets: Any, *, mirror_file: bool):
+    """``(name, bytes)`` of ``c``'s largest block that can stream, or ``None``."""
+    found = _streamable(c, module, targets, mirror_file)
+    if found is None:
+        return None
+    k = max(range(len(found[3])), key=found[3].__getitem__)
+    return found[1][k].name, found[3][k]
 
 
 def partial_for(
@@ -254,12 +271,15 @@ def streamed_in_switch(
             if smallest is not None:
                 least = (total - sizes[c.digest] + smallest, c)
     name = cache._describe(comps[0].digest).split("/")[0]
-    how = (
-        f"; streaming {cache._describe(least[1].digest)}'s blocks, it needs at least "
-        f"{human_bytes(least[0])}"
-        if least is not None
-        else "; none of its components has repeated blocks that could stream"
-    )
+    how = "; none of its components has repeated blocks that could stream"
+    if least is not None:
+        inst = cache._modules.template(least[1])
+        block, nbytes = largest_block(least[1], inst.module, inst.targets, mirror_file=mirror)
+        what = cache._describe(least[1].digest)
+        how = (
+            f"; streaming {what}'s blocks, it needs at least {human_bytes(least[0])} (the rest "
+            f"and one buffer of its largest block, {block}, {human_bytes(nbytes)})"
+        )
     raise BudgetExceeded(
         f"{name} needs {human_bytes(total)} on the device whole, more than the GPU tier's "
         f"{human_bytes(tier.budget)}{how}: raise gpu_budget, or load it in a smaller dtype",
