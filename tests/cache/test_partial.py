@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import nostall
+from nostall.cache.partial import explain
 from nostall.errors import BudgetExceeded
 
 from cache_support import reference, run
@@ -151,3 +152,26 @@ def test_a_host_tier_that_cannot_hold_the_streamed_part_is_a_typed_error(
             pass
         assert info.value.tier == "host"
         assert not c._tier.slots  # the switch's new slots were given back
+
+
+def test_compiled_blocks_stream_without_recompiling(store, tmp_path):
+    from torch._dynamo.utils import counters
+
+    sizes = _sizes(store, tmp_path, "sdxl")
+    budget = sum(sizes.values()) - sizes["unet"] // 5
+    c = nostall.ModelCache(store, device="cpu", gpu_budget=budget, cache_dir=tmp_path)
+    with c, c.use("sdxl") as pipe:
+        streamed = next(p for p in explain(c, "sdxl") if p["role"] == "unet")["blocks"]
+        mods = dict(pipe.unet.named_modules())
+        before = counters["stats"]["unique_graphs"]
+        # regional compilation, as compile_repeated_blocks does (one block: the others
+        # would compile the same way, only slower)
+        mods[streamed[-1]].compile(backend="aot_eager")
+        first = run(pipe, "sdxl")
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs > before  # (compiled, for real)
+        second = run(pipe, "sdxl")
+        assert counters["stats"]["unique_graphs"] == graphs  # nothing recompiled
+    want = reference(store, "sdxl")
+    np.testing.assert_array_equal(first, want)
+    np.testing.assert_array_equal(second, want)

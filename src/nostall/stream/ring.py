@@ -19,6 +19,12 @@ an error, a module that runs its blocks in another order) is copied there and th
 behind everything queued on the compute stream so far: slower, never wrong. No block
 allocates: the buffers are the caller's (a slot of the cache's device tier).
 
+Under ``torch.compile`` the hooks run eagerly (``torch.compiler.disable``): a compiled
+module breaks its graph at each streamed block's edges, and a block compiled on its own
+(regional compilation, as diffusers' ``compile_repeated_blocks``) stays one graph, kept
+from call to call since its parameters never move. ``fullgraph=True`` over a module
+whose blocks stream is refused by torch (a graph break it cannot make).
+
 The streams are an object of their own (:class:`CudaStreams`, :class:`CpuStreams`,
 or a test's fake that records what was ordered after what).
 """
@@ -135,6 +141,7 @@ class BlockRing:
         return sum(d.numel() * d.element_size() for d, _ in self.copies[k])
 
     def _before(self, k: int):
+        @torch.compiler.disable  # (a compiled block stays one graph; the hook runs eagerly)
         def hook(module: nn.Module, args: Any) -> None:
             slot = k % self.depth
             if self.loaded[slot] != k:
@@ -152,6 +159,7 @@ class BlockRing:
         return hook
 
     def _after(self, k: int):
+        @torch.compiler.disable
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             n = len(self.blocks)
             nxt = k + self.depth if k + self.depth < n else k % self.depth
