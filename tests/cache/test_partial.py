@@ -175,3 +175,30 @@ def test_compiled_blocks_stream_without_recompiling(store, tmp_path):
     want = reference(store, "sdxl")
     np.testing.assert_array_equal(first, want)
     np.testing.assert_array_equal(second, want)
+
+
+def test_threads_calling_one_streamed_pipeline_at_once_each_get_the_right_image(store, tmp_path):
+    import threading
+
+    sizes = _sizes(store, tmp_path, "sdxl")
+    budget = sum(sizes.values()) - sizes["unet"] // 5
+    want = reference(store, "sdxl")
+    got, errors = [], []
+    with nostall.ModelCache(store, device="cpu", gpu_budget=budget, cache_dir=tmp_path) as c:
+
+        def one():
+            try:
+                with c.use("sdxl") as pipe:
+                    got.append(run(pipe, "sdxl"))
+            except Exception as e:  # (reported below)
+                errors.append(e)
+
+        threads = [threading.Thread(target=one) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert any(r.components and any(x.streamed for x in r.components) for r in c.reports)
+    assert not errors and len(got) == 3
+    for image in got:  # (their blocks share the ring's buffers: one call at a time)
+        np.testing.assert_array_equal(image, want)

@@ -372,7 +372,9 @@ def test_lora_room_is_claimed_beside_the_cache_and_given_back(store):
 def test_start_refuses_a_store_whose_pipelines_can_never_fit_naming_them(store):
     from nostall.serve.worker import Worker
 
-    # flux (0.69 MB) and wan (0.19 MB) fit; sdxl (1.61 MB) and sd3 (1.94 MB) never can
+    # flux (0.69 MB) and wan (0.19 MB) fit; sdxl (1.61 MB) is served with its UNet
+    # resident in part (issue #32); sd3 (1.94 MB, its transformer mostly a position
+    # embedding: no block to spare) never can
     worker = Worker(store, device="cpu", gpu_budget=1_200_000, host_budget=64 << 20,
                     prepare=False)  # fmt: skip
     try:
@@ -380,8 +382,7 @@ def test_start_refuses_a_store_whose_pipelines_can_never_fit_naming_them(store):
             worker.start()
         message = str(e.value)
         assert "sd3 needs" in message and "sd3/transformer" in message
-        assert "sdxl needs" in message and "sdxl/unet" in message
-        assert "flux" not in message and "wan" not in message
+        assert "sdxl" not in message and "flux" not in message and "wan" not in message
         assert "--gpu-budget-gb" in message
         assert e.value.requested > 1_900_000 and e.value.budget >= 1_200_000
         assert not worker.ready
@@ -511,7 +512,8 @@ def test_serve_refuses_to_start_naming_what_can_never_fit(store):
     r = CliRunner().invoke(app, ["serve", "--models", str(store), "--device", "cpu",
                                  "--gpu-budget-gb", "0.0012", "--port", str(free_port())])  # fmt: skip
     assert isinstance(r.exception, BudgetExceeded), r.output
-    assert "sd3/transformer" in str(r.exception) and "sdxl/unet" in str(r.exception)
+    assert "sd3/transformer" in str(r.exception)  # (sdxl streams its UNet: it may start)
+    assert "sdxl/unet" not in str(r.exception)
 
 
 def test_fleet_workers_leave_out_an_embedding_service_beside_them():

@@ -116,7 +116,7 @@ class Partial:
         streams = CudaStreams(device) if device.type == "cuda" else CpuStreams()
         self.host = host
         self.ring = BlockRing([mods[n] for n in self.blocks], copies, self.depth, streams)
-        self.ring.install()
+        self.ring.install(module)
 
     def stop(self) -> list[Any]:
         """Unhook the ring and let the host block go; the events the slot's next
@@ -233,7 +233,13 @@ def streamed_in_switch(
         else:
             sizes[c.digest] = tier.slot_size(cache._modules.planned(c.digest).target_bytes)
     total = sum(sizes.values())
-    if total <= tier.budget:
+    # what the caller's own use() blocks hold stays (as a Wan 2.2 block's other components
+    # beside its expert); other callers' blocks end, and the switch may wait for them
+    mine = cache._holds.mine()
+    budget = tier.budget - sum(
+        s.size for d, s in tier.slots.items() if d not in sizes and mine.get(d, 0)
+    )
+    if total <= budget:
         return {}
     mirror = cache.device.type == "cpu"
     parts: dict[str, Partial] = {}
@@ -244,7 +250,7 @@ def streamed_in_switch(
 
     once = [c for c in missing if c.role.startswith("text_encoder")]
     for c in sorted(once, key=lambda c: -sizes[c.digest]):
-        if total <= tier.budget:
+        if total <= budget:
             return parts
         inst = cache._modules.template(c)
         found = _streamable(c, inst.module, inst.targets, mirror)
@@ -255,13 +261,13 @@ def streamed_in_switch(
             parts[c.digest] = part
             total += tier.slot_size(part.nbytes) - sizes[c.digest]
             sizes[c.digest] = tier.slot_size(part.nbytes)
-    if total <= tier.budget:
+    if total <= budget:
         return parts
     least: tuple[int, ComponentEntry] | None = None  # the smallest a part could be
     for c in sorted(missing, key=lambda c: -sizes[c.digest]):
         if c.digest in parts:
             continue
-        room = tier.budget - (total - sizes[c.digest]) - GRANULE  # (its slot is rounded up)
+        room = budget - (total - sizes[c.digest]) - GRANULE  # (its slot is rounded up)
         part = part_of(c, room)
         if part is not None:
             return {**parts, c.digest: part}
@@ -270,6 +276,8 @@ def streamed_in_switch(
             smallest = least_bytes(c, inst.module, inst.targets, mirror_file=mirror)
             if smallest is not None:
                 least = (total - sizes[c.digest] + smallest, c)
+    if total <= tier.budget:
+        return {}  # (it fits once the caller's blocks end: the switch says they are in use)
     name = cache._describe(comps[0].digest).split("/")[0]
     how = "; none of its components has repeated blocks that could stream"
     if least is not None:
@@ -280,9 +288,11 @@ def streamed_in_switch(
             f"; streaming {what}'s blocks, it needs at least {human_bytes(least[0])} (the rest "
             f"and one buffer of its largest block, {block}, {human_bytes(nbytes)})"
         )
+    beside = "" if budget == tier.budget else f" ({human_bytes(budget)} beside what it holds)"
     raise BudgetExceeded(
         f"{name} needs {human_bytes(total)} on the device whole, more than the GPU tier's "
-        f"{human_bytes(tier.budget)}{how}: raise gpu_budget, or load it in a smaller dtype",
+        f"{human_bytes(tier.budget)}{beside}{how}: raise gpu_budget, or load it in a smaller "
+        "dtype",
         tier="gpu",
         requested=total,
         budget=tier.budget,

@@ -31,6 +31,7 @@ or a test's fake that records what was ordered after what).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,12 +51,12 @@ class CudaStreams:
         self.device = device
         self.copy = torch.cuda.Stream(device)
 
-    def issue(self, copies: Copies, after: Any) -> Any:
-        """Copy ``copies`` once ``after`` (an event, or ``None``) has happened; the
-        event that marks them done."""
+    def issue(self, copies: Copies, after: list[Any]) -> Any:
+        """Copy ``copies`` once the events ``after`` have happened; the event that
+        marks them done."""
         with torch.cuda.stream(self.copy):
-            if after is not None:
-                self.copy.wait_event(after)
+            for event in after:
+                self.copy.wait_event(event)
             for dst, src in copies:
                 dst.copy_(src, non_blocking=True)
             return self.copy.record_event()
@@ -71,7 +72,7 @@ class CudaStreams:
 class CpuStreams:
     """The CPU's: every copy done when issued, nothing to wait for."""
 
-    def issue(self, copies: Copies, after: Any) -> Any:
+    def issue(self, copies: Copies, after: list[Any]) -> Any:
         for dst, src in copies:
             dst.copy_(src)
         return None
@@ -106,22 +107,39 @@ class BlockRing:
         self.streams = streams
         self.loaded: list[int | None] = [None] * depth  # the block each buffer holds
         self.landed: list[Any] = [None] * depth  # the event its copy recorded
+        self.freed: list[Any] = [None] * depth  # the mark after its last block computed
         self.copied_bytes = 0
         self.misses = 0
         self._hooks: list[Any] = []
+        # one call of the module at a time: its blocks share the buffers
+        self._calls = threading.RLock()
 
     @property
     def nbytes(self) -> list[int]:
         """The bytes each block's copies move."""
         return [sum(d.numel() * d.element_size() for d, _ in c) for c in self.copies]
 
-    def install(self) -> None:
-        """Hook the blocks (idempotent)."""
+    def install(self, root: nn.Module | None = None) -> None:
+        """Hook the blocks (idempotent), and ``root`` (the module they are part of) so
+        that calls of it from several threads run one at a time: they share the
+        buffers. (Its kernels need not have ended: every copy waits for the events of
+        the compute that used its buffer last.)"""
         if self._hooks:
             return
+        if root is not None:
+            self._hooks.append(root.register_forward_pre_hook(self._enter))
+            self._hooks.append(root.register_forward_hook(self._leave, always_call=True))
         for k, block in enumerate(self.blocks):
             self._hooks.append(block.register_forward_pre_hook(self._before(k)))
             self._hooks.append(block.register_forward_hook(self._after(k)))
+
+    @torch.compiler.disable
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        self._calls.acquire()
+
+    @torch.compiler.disable
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._calls.release()
 
     def remove(self) -> None:
         """Unhook the blocks; their buffers count as holding nothing."""
@@ -130,8 +148,9 @@ class BlockRing:
         self._hooks.clear()
         self.loaded = [None] * self.depth
         self.landed = [None] * self.depth
+        self.freed = [None] * self.depth
 
-    def _issue(self, k: int, after: Any) -> None:
+    def _issue(self, k: int, after: list[Any]) -> None:
         slot = k % self.depth
         self.landed[slot] = self.streams.issue(self.copies[k], after)
         self.loaded[slot] = k
@@ -146,14 +165,15 @@ class BlockRing:
             slot = k % self.depth
             if self.loaded[slot] != k:
                 # not there (a first call, a call cut short, another order): copied now,
-                # behind everything already queued on the compute stream
+                # behind everything already queued on this stream and the compute that
+                # used the buffer last (on whichever stream it ran)
                 self.misses += 1
-                self._issue(k, self.streams.mark())
+                mark = self.streams.mark()
+                self._issue(k, self._after_use(slot, mark))
                 if k == 0:  # a cold ring: the next buffers' blocks start coming too
-                    mark = self.streams.mark()
                     for j in range(1, min(self.depth, len(self.blocks))):
                         if self.loaded[j % self.depth] != j:
-                            self._issue(j, mark)
+                            self._issue(j, self._after_use(j % self.depth, mark))
             self.streams.wait(self.landed[slot])
 
         return hook
@@ -162,8 +182,13 @@ class BlockRing:
         @torch.compiler.disable
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             n = len(self.blocks)
-            nxt = k + self.depth if k + self.depth < n else k % self.depth
+            slot = k % self.depth
+            self.freed[slot] = self.streams.mark()
+            nxt = k + self.depth if k + self.depth < n else slot
             if nxt != k:  # (with depth or fewer blocks, each keeps its buffer)
-                self._issue(nxt, self.streams.mark())
+                self._issue(nxt, [self.freed[slot]])
 
         return hook
+
+    def _after_use(self, slot: int, mark: Any) -> list[Any]:
+        return [e for e in (self.freed[slot], mark) if e is not None]
