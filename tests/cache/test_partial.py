@@ -72,6 +72,7 @@ def test_a_streamed_component_leaves_cleanly_and_the_next_switch_is_whole(store,
             np.testing.assert_array_equal(run(pipe, "flux"), reference(store, "flux"))
         assert unet.partial is None and block.holders == 0  # the ring let its block go
         assert all(c.streamed == 0 for c in cache.last_report.components)
+        assert explain(cache, "flux") == []  # (switch --explain: resident whole)
         with cache.use("sdxl") as pipe:  # and back, streamed again
             np.testing.assert_array_equal(run(pipe, "sdxl"), reference(store, "sdxl"))
         assert any(c.streamed for c in cache.last_report.components)

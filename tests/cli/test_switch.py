@@ -86,5 +86,3 @@ def test_switch_explain_prints_the_plan_of_a_pipeline_resident_in_part(tiny_stor
     assert result.exit_code == 0, result.output
     assert "sdxl/unet resident in part" in result.output
     assert "streamed per call" in result.output  # the switch table's note
-    result = runner.invoke(app, [*args[:5], "--explain", "sdxl"])  # no budget: all of it
-    assert "every component resident whole" in result.output
