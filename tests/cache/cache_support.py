@@ -40,3 +40,26 @@ def switches(store, *names: str, device: str = "cpu", tier: str = "shared:t") ->
             tiers = {c.role: c.tier for c in cache.last_report.components}
             rows.append([name, tiers, hashlib.sha256(image.tobytes()).hexdigest()])
     return rows
+
+
+def fp8_reference(folder, name, dtype=None):
+    """The FP8 pipeline as nostall.load_model builds each FP8 component (upcast on CPU)."""
+    import os
+
+    from diffusers import DiffusionPipeline
+
+    import nostall
+    from nostall.store import resolve
+
+    parts = {}
+    for sub in sorted(os.listdir(folder)):
+        path = os.path.join(folder, sub)
+        try:
+            ckpt = resolve(path)
+        except Exception:
+            continue
+        if any(e.dtype.startswith("F8") for _, e in ckpt.entries()):
+            parts[sub] = nostall.load_model(path, dtype=dtype)
+    pipe = DiffusionPipeline.from_pretrained(str(folder), torch_dtype=dtype, **parts)
+    pipe.set_progress_bar_config(disable=True)
+    return run(pipe, name), set(parts)

@@ -14,7 +14,7 @@ import torch
 import nostall
 from nostall.errors import ArgumentError, BudgetExceeded, ClosedError, UnknownModel
 
-from cache_support import reference, run
+from cache_support import fp8_reference, reference, run
 
 MB = 1 << 20
 
@@ -365,26 +365,6 @@ def test_a_component_back_at_its_offset_builds_no_views(store, cache, monkeypatc
     assert np.array_equal(out, reference(store, "flux"))
 
 
-def _fp8_reference(folder, name, dtype=None):
-    """The FP8 pipeline as nostall.load_model builds each FP8 component (upcast on CPU)."""
-    from diffusers import DiffusionPipeline
-
-    from nostall.store import resolve
-
-    parts = {}
-    for sub in sorted(os.listdir(folder)):
-        path = os.path.join(folder, sub)
-        try:
-            ckpt = resolve(path)
-        except Exception:
-            continue
-        if any(e.dtype.startswith("F8") for _, e in ckpt.entries()):
-            parts[sub] = nostall.load_model(path, dtype=dtype)
-    pipe = DiffusionPipeline.from_pretrained(str(folder), torch_dtype=dtype, **parts)
-    pipe.set_progress_bar_config(disable=True)
-    return run(pipe, name), set(parts)
-
-
 def _cpu_scaled_mm_takes_row_scales() -> bool:
     import torch
 
@@ -417,7 +397,7 @@ def test_an_fp8_pipeline_is_served_as_load_model_builds_it(store, tmp_path, comp
     dst.mkdir()
     nostall.quantize(os.path.join(store, "flux"), dst / "flux8")
     shutil.copytree(os.path.join(store, "sdxl"), dst / "sdxl")
-    ref, fp8_parts = _fp8_reference(dst / "flux8", "flux", **kw)
+    ref, fp8_parts = fp8_reference(dst / "flux8", "flux", **kw)
     assert "transformer" in fp8_parts
     # room for one pipeline at a time: every switch evicts, so flux8 is re-bound
     with nostall.ModelCache(dst, device="cpu", gpu_budget=2 * MB, host_budget=64 * MB, **kw) as c:

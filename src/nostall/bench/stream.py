@@ -81,7 +81,7 @@ PARTS: dict[str, dict[str, dict[str, Any]]] = {
         },
     },
 }
-_TINY_SHARES = {24.0: 0.5, 16.0: 0.25}  # tiny: how far above the least, toward all of it
+_TINY_SHARES = {24.0: 0.2, 16.0: 0.05}  # tiny: how far above the least, toward all of it
 _SEQUENTIAL_STEPS = 2
 _MARGIN = 0.05  # of the activation peak, and 256 MiB: what nostall's budget leaves free
 
@@ -91,7 +91,7 @@ def _budget(gb: float, size: str, whole: int, least: int | None, act: int) -> in
         return int(gb * 1e9 - act * (1 + _MARGIN) - (256 << 20))
     if least is None or least >= whole:
         return None
-    share = _TINY_SHARES.get(gb, 0.5)
+    share = _TINY_SHARES.get(gb, 0.2)
     return int(least + share * (whole - least))
 
 

@@ -220,9 +220,9 @@ def streamed_in_switch(
     (``comps``) cannot fit the device tier of ``cache`` (a
     :class:`~nostall.cache.ModelCache`, under its lock) whole (empty when it fits).
 
-    First the components a request calls once, its text encoders, stream all their
-    blocks (largest first, while it does not fit): a byte they leave on the host is
-    read once a request, a byte of the denoiser once a step. Then the largest other
+    First the components a request calls once (its text encoders, its VAE) stream all
+    their blocks (largest first, while it does not fit): a byte they leave on the host
+    is read once a request, a byte of the denoiser once a step. Then the largest other
     component streams what still does not fit, as the cost model chooses."""
     tier = cache._tier
     sizes = {}
@@ -248,7 +248,7 @@ def streamed_in_switch(
         inst = cache._modules.template(c)
         return partial_for(c, inst.module, inst.targets, mirror_file=mirror, budget=budget)
 
-    once = [c for c in missing if c.role.startswith("text_encoder")]
+    once = [c for c in missing if _once(c.role)]
     for c in sorted(once, key=lambda c: -sizes[c.digest]):
         if total <= budget:
             return parts
@@ -317,8 +317,8 @@ def least_pipeline_bytes(
     cache: Any, name: str, without: frozenset[str] = frozenset()
 ) -> int | None:
     """The fewest device-tier bytes ``cache`` can serve pipeline ``name`` (less the
-    roles in ``without``) in, as :func:`streamed_in_switch` would: its text encoders
-    with every block streamed through two buffers, its largest other component that
+    roles in ``without``) in, as :func:`streamed_in_switch` would: its text encoders and
+    VAE with every block streamed through two buffers, its largest other component that
     can stream through one, the rest whole; ``None`` when that other cannot stream."""
     comps = cache.store.entry(name).distinct_weights(frozenset(without))
     mirror = cache.device.type == "cpu"
@@ -327,21 +327,34 @@ def least_pipeline_bytes(
         for c in comps:
             whole = cache._tier.slot_size(cache._modules.plan(c)[0].target_bytes)
             sizes[c.digest] = whole
-            if c.role.startswith("text_encoder"):
+            if _once(c.role):  # (all its blocks, two buffers: as the switch streams it)
                 inst = cache._modules.template(c)
                 found = _streamable(c, inst.module, inst.targets, mirror)
                 if found is not None:
-                    part = found[4] + 2 * max(found[3])
-                    sizes[c.digest] = min(whole, cache._tier.slot_size(part) + GRANULE)
+                    part = partial_for(
+                        c,
+                        inst.module,
+                        inst.targets,
+                        mirror_file=mirror,
+                        budget=found[4] + 2 * max(found[3]),
+                    )
+                    if part is not None:
+                        sizes[c.digest] = min(whole, cache._tier.slot_size(part.nbytes))
         total = sum(sizes.values())
         for c in sorted(comps, key=lambda c: -sizes[c.digest]):
-            if c.role.startswith("text_encoder"):
+            if _once(c.role):
                 continue
             inst = cache._modules.template(c)
             least = least_bytes(c, inst.module, inst.targets, mirror_file=mirror)
             if least is not None:
                 return total - sizes[c.digest] + least + GRANULE
     return None
+
+
+def _once(role: str) -> bool:
+    """A component a request calls once: its text encoders and its VAE (the denoiser, once
+    a step)."""
+    return role.startswith("text_encoder") or role == "vae"
 
 
 def no_loras_streamed(cache: Any, name: str, digests: Any) -> None:
