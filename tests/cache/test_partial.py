@@ -193,3 +193,20 @@ def test_an_fp8_denoiser_streams_its_fp8_blocks_bit_equal(store, tmp_path):
         mods = dict(pipe.unet.named_modules())
         streamed = [p for n in plan["blocks"] for p in mods[n].parameters()]
         assert any(p.dtype == torch.float8_e4m3fn for p in streamed)  # FP8 weights stream
+
+
+def test_what_its_calls_took_is_measured_and_its_next_plan_predicts_with_it(store, tmp_path):
+    budget = _budget(store, tmp_path, "sdxl")
+    with nostall.ModelCache(store, device="cpu", gpu_budget=budget, cache_dir=tmp_path) as c:
+        with c.use("sdxl") as pipe:
+            for _ in range(2):  # 4 denoiser calls: the first three timed, block by block
+                run(pipe, "sdxl")
+        first = next(p for p in explain(c, "sdxl") if p["role"] == "unet")
+        assert first["predicted_call_s"] is None  # (nothing measured before its first plan)
+        assert first["measured_period_s"] > 0
+        c.evict("gpu")  # it leaves; what it took is kept for its next plan
+        assert set(next(iter(c._modules.timings.values()))["block_s"]) >= set(first["blocks"])
+        with c.use("sdxl") as pipe:
+            np.testing.assert_array_equal(run(pipe, "sdxl"), reference(store, "sdxl"))
+        again = next(p for p in explain(c, "sdxl") if p["role"] == "unet")
+        assert again["predicted_call_s"] > 0  # the cost model's, from the measured blocks

@@ -126,6 +126,8 @@ class Instances:
         self.mirror_file = mirror_file
         self._by_arch: dict[str, list[Instance]] = {}
         self._plans: dict[str, LoadPlan] = {}
+        # what a component's calls took when it last streamed (its next plan's compute)
+        self.timings: dict[str, dict[str, Any]] = {}
 
     def plan(self, c: ComponentEntry) -> tuple[LoadPlan, float]:
         """``c``'s load plan, and the seconds its first call spent beyond building the
@@ -220,6 +222,9 @@ class Instances:
                 if inst.slot is slot:
                     inst.slot = None
                     if inst.partial is not None:
+                        measured = inst.partial.measured()
+                        if measured is not None:
+                            self.timings[inst.digest] = measured
                         events += inst.partial.stop()
                         inst.partial = None
         return events

@@ -33,6 +33,7 @@ from nostall.store.catalog import ComponentEntry
 from nostall.stream import cost
 from nostall.stream.blocks import find_blocks
 from nostall.stream.ring import BlockRing, CpuStreams, CudaStreams
+from nostall.stream.timing import BlockTimer
 from nostall.transfer.plan import LoadPlan
 
 __all__ = [
@@ -68,6 +69,11 @@ class Partial:
     ring: BlockRing | None = None
     host: Any = None  # the host tier's block it streams from, held while it does
     events: list[Any] = field(default_factory=list)
+    timer: BlockTimer | None = None  # its first calls, block by block
+
+    def measured(self) -> dict[str, Any] | None:
+        """What its first calls took (:meth:`BlockTimer.figures`), once known."""
+        return self.timer.figures() if self.timer is not None else None
 
     @property
     def depth(self) -> int:
@@ -117,11 +123,14 @@ class Partial:
         self.host = host
         self.ring = BlockRing([mods[n] for n in self.blocks], copies, self.depth, streams)
         self.ring.install(module)
+        self.timer = BlockTimer(module, {n: mods[n] for n in self.all_blocks}, device)
 
     def stop(self) -> list[Any]:
         """Unhook the ring and let the host block go; the events the slot's next
         copies must wait for (the ring's copies still in flight)."""
         events = []
+        if self.timer is not None:
+            self.timer.remove()
         if self.ring is not None:
             events = [e for e in self.ring.landed if e is not None]
             self.ring.remove()
@@ -185,16 +194,25 @@ def partial_for(
     mirror_file: bool,
     budget: int,
     link_bytes_s: float = LINK_BYTES_S,
+    measured: dict[str, Any] | None = None,
 ) -> Partial | None:
     """``c``'s partial layout in ``budget`` bytes (``module``: its instance, on any
     device; ``targets``: its tensors' dtypes), or ``None`` when no choice of streamed
     blocks fits (or it has no block that can stream: repeated blocks whose every tensor
-    is in the checkpoint and keeps its stored dtype)."""
+    is in the checkpoint and keeps its stored dtype). ``measured``: what its calls took
+    when it last streamed (:meth:`Partial.measured`): the plan predicted fastest wins,
+    and says its call period."""
     found = _streamable(c, module, targets, mirror_file)
     if found is None:
         return None
     names, blocks, plans, sizes, rest = found
-    choice = cost.plan(sizes, rest, budget, link_bytes_s=link_bytes_s)
+    compute, between = None, 0.0
+    if measured is not None and all(b.name in measured["block_s"] for b in blocks):
+        compute = [measured["block_s"][b.name] for b in blocks]
+        between = max(0.0, measured["period_s"] - sum(compute))
+    choice = cost.plan(
+        sizes, rest, budget, link_bytes_s=link_bytes_s, compute_s=compute, between_s=between
+    )
     if choice is None or choice.resident:
         return None
     streamed = set(choice.streamed)
@@ -246,7 +264,14 @@ def streamed_in_switch(
 
     def part_of(c: ComponentEntry, budget: int) -> Partial | None:
         inst = cache._modules.template(c)
-        return partial_for(c, inst.module, inst.targets, mirror_file=mirror, budget=budget)
+        return partial_for(
+            c,
+            inst.module,
+            inst.targets,
+            mirror_file=mirror,
+            budget=budget,
+            measured=cache._modules.timings.get(c.digest),
+        )
 
     once = [c for c in missing if _once(c.role)]
     for c in sorted(once, key=lambda c: -sizes[c.digest]):
@@ -392,6 +417,7 @@ def explain(cache: Any, name: str) -> list[dict[str, Any]]:
                     "block_bytes": list(part.block_bytes),
                     "copied_bytes": ring.copied_bytes if ring is not None else 0,
                     "misses": ring.misses if ring is not None else 0,
+                    "measured_period_s": (part.measured() or {}).get("period_s"),
                 }
             )
     return out

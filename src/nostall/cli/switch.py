@@ -157,6 +157,11 @@ def _explain(cache, name: str) -> None:
             f"{p['misses']} block(s) not there in time",
             highlight=False,
         )
+        predicted, measured = p.get("predicted_call_s"), p.get("measured_period_s")
+        if predicted is not None or measured is not None:
+            said = [f"predicted {predicted:.4f} s" if predicted is not None else None]
+            said.append(f"measured {measured:.4f} s" if measured is not None else None)
+            console.print(f"    a call of it: {', '.join(x for x in said if x)}", highlight=False)
 
 
 def _lora_option(value: str) -> tuple[str, float]:
