@@ -210,3 +210,31 @@ def test_what_its_calls_took_is_measured_and_its_next_plan_predicts_with_it(stor
             np.testing.assert_array_equal(run(pipe, "sdxl"), reference(store, "sdxl"))
         again = next(p for p in explain(c, "sdxl") if p["role"] == "unet")
         assert again["predicted_call_s"] > 0  # the cost model's, from the measured blocks
+
+
+def test_the_next_plan_streams_the_blocks_in_the_order_a_call_ran_them(store, tmp_path):
+    # a UNet registers mid_block.attentions before mid_block.resnets and runs resnets.0,
+    # attentions.0, resnets.1: streamed in the registered order, a block is not there in
+    # time every call; the plan after a measured residency follows the order seen
+    budget = _budget(store, tmp_path, "sdxl")
+
+    def misses_per_call(c):
+        with c.use("sdxl") as pipe:
+            run(pipe, "sdxl")  # (warm: the cold ring's misses)
+            ring = next(
+                i.partial.ring for a in c._modules._by_arch.values() for i in a if i.partial
+            )
+            before = ring.misses
+            run(pipe, "sdxl")
+            return (ring.misses - before) / 2, next(
+                p for p in explain(c, "sdxl") if p["role"] == "unet"
+            )["blocks"]
+
+    with nostall.ModelCache(store, device="cpu", gpu_budget=budget, cache_dir=tmp_path) as c:
+        first, streamed = misses_per_call(c)
+        assert {"mid_block.attentions.0", "mid_block.resnets.0"} <= set(streamed)
+        assert first > 0
+        c.evict("gpu")
+        second, streamed = misses_per_call(c)
+        assert second == 0
+        assert streamed.index("mid_block.resnets.0") < streamed.index("mid_block.attentions.0")

@@ -143,12 +143,23 @@ class Partial:
         return events
 
 
-def _streamable(c: ComponentEntry, module: nn.Module, targets: Any, mirror_file: bool):
+def _streamable(
+    c: ComponentEntry,
+    module: nn.Module,
+    targets: Any,
+    mirror_file: bool,
+    order: list[str] | None = None,
+):
     """``c``'s blocks that can stream (every tensor in the checkpoint, none cast on the
-    way in), each one's plan and bytes, and the bytes of the rest; ``None``: none can."""
+    way in), each one's plan and bytes, and the bytes of the rest; ``None``: none can.
+    ``order``: the blocks' names in the order a call ran them (they go in that order;
+    any it does not name, after)."""
     names = {e.name for _, e in c.checkpoint.entries()}
     blocks, plans = [], []
     found = find_blocks(module)
+    if order:
+        at = {n: i for i, n in enumerate(order)}
+        found.sort(key=lambda b: at.get(b.name, len(at)))
     if not found and c.digest not in _SAID:
         _SAID.add(c.digest)  # (once: whole-component residency only)
         log.info("%s: no repeated blocks: it is resident whole or not at all", c.folder)
@@ -202,7 +213,7 @@ def partial_for(
     is in the checkpoint and keeps its stored dtype). ``measured``: what its calls took
     when it last streamed (:meth:`Partial.measured`): the plan predicted fastest wins,
     and says its call period."""
-    found = _streamable(c, module, targets, mirror_file)
+    found = _streamable(c, module, targets, mirror_file, (measured or {}).get("order"))
     if found is None:
         return None
     names, blocks, plans, sizes, rest = found

@@ -4,7 +4,9 @@ A :class:`BlockTimer` hooks a module and its blocks for its first few calls (eve
 the calling stream on a GPU, the CPU's clock elsewhere) and then takes its hooks off:
 the blocks' medians and the period from one call's start to the next are what
 :func:`nostall.stream.cost.plan` predicts with, and what ``nostall switch --explain``
-reports beside the prediction. Reading the figures waits for the events recorded.
+reports beside the prediction; the order the first call ran the blocks in is the order
+the next plan streams them in (a UNet's mid block runs ``resnets.0, attentions.0,
+resnets.1``, not as registered). Reading the figures waits for the events recorded.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class BlockTimer:
         self.calls = calls
         self.starts: list[Any] = []
         self.marks: dict[str, list[tuple[Any, Any]]] = {n: [] for n in blocks}
+        self.order: list[str] = []  # the blocks in the order the first call ran them
         self._hooks: list[Any] = [root.register_forward_pre_hook(self._call)]
         for name, m in blocks.items():
             self._watch(name, m)
@@ -59,6 +62,8 @@ class BlockTimer:
         @torch.compiler.disable
         def before(mod: nn.Module, args: Any) -> None:
             begun.append(self._mark())
+            if len(self.starts) == 1:
+                self.order.append(name)
 
         @torch.compiler.disable
         def after(mod: nn.Module, args: Any, out: Any) -> None:
@@ -91,4 +96,4 @@ class BlockTimer:
             times = sorted(self._seconds(a, b) for a, b in kept)
             blocks[name] = times[len(times) // 2] if times else 0.0
         periods.sort()
-        return {"period_s": periods[len(periods) // 2], "block_s": blocks}
+        return {"period_s": periods[len(periods) // 2], "block_s": blocks, "order": self.order}
