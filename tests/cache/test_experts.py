@@ -224,3 +224,48 @@ def test_a_block_ended_before_the_boundary_leaves_no_expert_protected(wan22, tmp
         assert any(r.prefetch and r.expert for r in cache.reports)  # it was prefetched
         assert second not in cache._protected  # so a later switch may evict it
         assert cache.evict() > 0 and cache.stats().gpu_bytes == 0
+
+
+@pytest.fixture(scope="module")
+def wan22_deep(tmp_path_factory):
+    """A tiny Wan 2.2 whose experts have four blocks (the tiny store's have one: nothing
+    to stream)."""
+    import diffusers
+
+    from nostall.synthetic import tiny
+
+    folder = tmp_path_factory.mktemp("wan22deep")
+    torch.manual_seed(6)
+    high, low = (tiny._wan_transformer(num_layers=4) for _ in range(2))
+    diffusers.WanPipeline(
+        **tiny._wan21_shared(),
+        transformer=high,
+        transformer_2=low,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
+        boundary_ratio=0.875,
+    ).save_pretrained(folder / "wan22")
+    return folder
+
+
+def test_experts_larger_than_the_tier_beside_the_rest_stream_and_frames_equal(wan22_deep, tmp_path):
+    from diffusers import DiffusionPipeline
+
+    from nostall.cache.partial import least_pipeline_bytes
+
+    ref = DiffusionPipeline.from_pretrained(str(wan22_deep / "wan22"))
+    ref.set_progress_bar_config(disable=True)
+    want = _call(ref)
+    with nostall.ModelCache(wan22_deep, device="cpu", cache_dir=tmp_path) as c:
+        least = least_pipeline_bytes(c, "wan22")
+    # an expert cannot sit whole beside the VAE even with the text encoder gone
+    with nostall.ModelCache(wan22_deep, device="cpu", gpu_budget=150_000, cache_dir=tmp_path) as c:
+        assert least < c._tier.budget
+        for _ in range(2):
+            with c.use("wan22") as pipe:
+                pipe.set_progress_bar_config(disable=True)
+                np.testing.assert_array_equal(_call(pipe), want)
+        rows = {r.role: r for rep in c.reports for r in rep.components}
+        assert rows["transformer"].streamed > 0 and rows["transformer_2"].streamed > 0
+    c = nostall.ModelCache(wan22_deep, device="cpu", gpu_budget=least // 2)
+    with c, pytest.raises(BudgetExceeded, match="larger expert"), c.use("wan22"):
+        pass

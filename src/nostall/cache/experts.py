@@ -164,6 +164,8 @@ def _leaving(
     if need <= budget:  # one expert at a time beside the text encoders
         return ()
     lean = need - gone
+    if lean > cache._tier.budget and _streams(cache, entry, roles, without, lean - budget):
+        return text  # the expert switched in streams what does not fit (cache.partial)
     if lean > cache._tier.budget:  # refused on entry, not at the first call's switch
         raise cache._tier.no_room(
             f"{entry.name}'s larger expert beside the rest, even with its text encoders gone",
@@ -171,6 +173,27 @@ def _leaving(
             0,
         )
     return text
+
+
+def _streams(cache: Any, entry: PipelineEntry, roles: Any, without: Any, short: int) -> bool:
+    """Whether each expert can be served resident in part with ``short`` bytes fewer
+    than it takes whole (the cache streams; its blocks can)."""
+    if not cache.config.stream:
+        return False
+    from nostall.cache.device import GRANULE
+    from nostall.cache.partial import least_bytes
+
+    mirror = cache.device.type == "cpu"
+    with cache._lock:
+        for c in entry.distinct_weights(without):
+            if c.role not in roles:
+                continue
+            whole = cache._tier.slot_size(cache._modules.plan(c)[0].target_bytes)
+            inst = cache._modules.template(c)
+            least = least_bytes(c, inst.module, inst.targets, mirror_file=mirror)
+            if least is None or whole - least - GRANULE < short:
+                return False
+    return True
 
 
 _ENCODE = (

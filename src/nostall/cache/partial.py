@@ -356,7 +356,13 @@ def least_pipeline_bytes(
     roles in ``without``) in, as :func:`streamed_in_switch` would: its text encoders and
     VAE with every block streamed through two buffers, its largest other component that
     can stream through one, the rest whole; ``None`` when that other cannot stream."""
-    comps = cache.store.entry(name).distinct_weights(frozenset(without))
+    from nostall.cache.experts import expert_roles
+
+    entry = cache.store.entry(name)
+    comps = entry.distinct_weights(frozenset(without))
+    experts = expert_roles(entry, frozenset(without))
+    if experts is not None:  # one expert at a time, the text encoders gone (cache.experts)
+        comps = [c for c in comps if c.role != experts[1] and not c.role.startswith("text_")]
     mirror = cache.device.type == "cpu"
     with cache._lock:
         sizes = {}

@@ -144,7 +144,7 @@ def unfit(
             text = sum(n for r, n in sizes.items() if r.startswith("text_encoder"))
             larger = max(sizes[r] for r in experts)
             need = max(need - text, need - larger)
-        if need > tier and experts is None and least is not None:
+        if need > tier and least is not None:
             fewest = least(entry, leaves_out)
             if fewest is not None and fewest <= tier:
                 log.info(
