@@ -171,7 +171,7 @@ def _streamable(
             continue
         blocks.append(b)
         plans.append(bp)
-    if not blocks:
+    if len(blocks) < 2:  # (one block through one buffer is the whole of it, resident)
         return None
     in_blocks = set().union(*(b.params for b in blocks))
     rest = LoadPlan(
@@ -350,17 +350,19 @@ def host_refused(what: str, plan: LoadPlan, budget: int) -> BudgetExceeded:
 
 
 def least_pipeline_bytes(
-    cache: Any, name: str, without: frozenset[str] = frozenset()
+    cache: Any,
+    name: str,
+    without: frozenset[str] = frozenset(),
+    *,
+    experts: tuple[str, str] | None = None,
 ) -> int | None:
     """The fewest device-tier bytes ``cache`` can serve pipeline ``name`` (less the
     roles in ``without``) in, as :func:`streamed_in_switch` would: its text encoders and
     VAE with every block streamed through two buffers, its largest other component that
-    can stream through one, the rest whole; ``None`` when that other cannot stream."""
-    from nostall.cache.experts import expert_roles
-
-    entry = cache.store.entry(name)
-    comps = entry.distinct_weights(frozenset(without))
-    experts = expert_roles(entry, frozenset(without))
+    can stream through one, the rest whole; ``None`` when that other cannot stream.
+    ``experts``: its two experts' roles (:func:`~nostall.cache.experts.expert_roles`),
+    one at a time, its text encoders gone by then."""
+    comps = cache.store.entry(name).distinct_weights(frozenset(without))
     if experts is not None:  # one expert at a time, the text encoders gone (cache.experts)
         comps = [c for c in comps if c.role != experts[1] and not c.role.startswith("text_")]
     mirror = cache.device.type == "cpu"

@@ -44,6 +44,7 @@ import torch
 
 from nostall.cache import ModelCache, Store
 from nostall.cache.config import resolve_config
+from nostall.cache.experts import expert_roles
 from nostall.cache.partial import least_pipeline_bytes
 from nostall.cache.report import human_bytes
 from nostall.errors import (  # the job errors live in the one tree; imported here as before
@@ -372,7 +373,8 @@ class Worker:
         if self.cache.config.stream:
 
             def least(entry: Any, leaves_out: frozenset[str]) -> int | None:
-                return least_pipeline_bytes(self.cache, entry.name, leaves_out)
+                experts = expert_roles(entry, leaves_out)
+                return least_pipeline_bytes(self.cache, entry.name, leaves_out, experts=experts)
 
         error = unfit(
             jobs, self.cache.stats().gpu_budget, self.cache.dtype, self.budget, least=least
