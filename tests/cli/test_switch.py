@@ -82,7 +82,7 @@ def test_switch_explain_prints_the_plan_of_a_pipeline_resident_in_part(tiny_stor
         whole, least = c.stats().gpu_bytes, least_pipeline_bytes(c, "sdxl")
     gb = f"{(whole + least) / 2 / 1e9:.7f}"  # between the least it needs and all of it
     args = ["switch", "--models", str(tiny_store), "--device", "cpu", "--gpu-gb", gb]
-    result = runner.invoke(app, [*args, "--steps", "2", "--size", "32", "--explain", "sdxl"])
+    result = runner.invoke(app, [*args, "--explain", "sdxl"])
     assert result.exit_code == 0, result.output
     assert "sdxl/unet resident in part" in result.output
     assert "streamed per call" in result.output  # the switch table's note
