@@ -75,12 +75,13 @@ def _race(store, preempt: bool, short_model="sdxl", short_store=None, **options)
 @pytest.mark.parametrize(
     "short_model, options",
     [
-        ("sdxl", {}),  # beside the paused FLUX pipeline
+        # (beside the paused FLUX pipeline, an SDXL preemptor: the catalog CLI test's
+        # preemption part, tests/bench/test_bench_catalog.py; the suite's time)
         # a device tier of one tiny FLUX pipeline: flux-b's own weights cannot sit beside
         # flux's, which is parked (leaves, and comes back into the paused call's modules)
         ("flux-b", {"gpu_budget": 800 << 10}),
     ],
-    ids=["beside", "parked"],
+    ids=["parked"],
 )
 def test_a_preempted_image_equals_the_straight_one_and_the_short_job_meets_its_slo(
     store, short_model, options, tmp_path
