@@ -113,12 +113,13 @@ def _part_run(part: str, cfg: dict, store: str, budgets_gb, dev, rounds, systems
     before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    probe = sys_.Probe(den, dev)
+    probe = sys_.probe(den, dev)
     t = time.perf_counter()
     ref = sys_.call(pipe, cfg, dev, steps)
     out["passes"]["resident"] = [time.perf_counter() - t]
     act = (torch.cuda.max_memory_allocated(dev) - before) if dev.type == "cuda" else 0
-    out["resident"] = {"weights_bytes": whole, "activation_bytes": act, **probe.figures()}
+    figures = probe.figures() or {"period_s": None, "block_s": {}}
+    out["resident"] = {"weights_bytes": whole, "activation_bytes": act, **figures}
     probe.remove()
     least = least_pipeline_bytes(resident, name)
     out["least_bytes"] = least
@@ -163,11 +164,11 @@ def _part_run(part: str, cfg: dict, store: str, budgets_gb, dev, rounds, systems
                         if dev.type == "cuda":
                             torch.cuda.reset_peak_memory_stats(dev)
                         base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
-                        probe = sys_.Probe(d, dev)
+                        probe = sys_.probe(d, dev)
                         t = time.perf_counter()
                         img = sys_.call(p, cfg, dev, steps)
                         rec.setdefault("passes", []).append(time.perf_counter() - t)
-                        fig = probe.figures()
+                        fig = probe.figures() or {"period_s": None}
                         probe.remove()
                         if dev.type == "cuda":
                             peak = torch.cuda.max_memory_allocated(dev) - base

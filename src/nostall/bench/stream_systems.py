@@ -6,8 +6,6 @@ recommend for speed) and diffusers' sequential CPU offload."""
 from __future__ import annotations
 
 import gc
-import itertools
-import time
 from typing import Any
 
 import numpy as np
@@ -15,8 +13,9 @@ import torch
 import torch.nn as nn
 
 from nostall.stream.blocks import find_blocks
+from nostall.stream.timing import BlockTimer
 
-__all__ = ["PROMPT", "Probe", "call", "diffusers_offloaded", "nostall_pipe", "sync"]
+__all__ = ["PROMPT", "call", "diffusers_offloaded", "nostall_pipe", "probe", "sync"]
 
 PROMPT = "a lighthouse on a cliff at dusk"
 
@@ -26,65 +25,11 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-class Probe:
-    """Times every call of ``module`` (a denoiser) and of each of its blocks, on the
-    device's clock (CUDA events; the CPU's ``perf_counter`` elsewhere)."""
-
-    def __init__(self, module: nn.Module, dev: torch.device):
-        self.dev = dev
-        self.calls: list[tuple[Any, Any]] = []
-        self.blocks = [b.name for b in find_blocks(module)]
-        self._block_marks: dict[str, list[tuple[Any, Any]]] = {n: [] for n in self.blocks}
-        self._hooks = []
-        mods = dict(module.named_modules())
-        self._watch(module, self.calls)
-        for name in self.blocks:
-            self._watch(mods[name], self._block_marks[name])
-
-    def _mark(self) -> Any:
-        if self.dev.type == "cuda":
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def _watch(self, m: nn.Module, into: list) -> None:
-        start: list[Any] = []
-
-        def before(mod, args):
-            start.append(self._mark())
-
-        def after(mod, args, out):
-            into.append((start.pop(), self._mark()))
-
-        self._hooks += [m.register_forward_pre_hook(before), m.register_forward_hook(after)]
-
-    def _seconds(self, a: Any, b: Any) -> float:
-        return a.elapsed_time(b) / 1000.0 if self.dev.type == "cuda" else b - a
-
-    def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
-
-    def figures(self) -> dict[str, Any]:
-        """Per call of the denoiser: its seconds and the period from one call's start to
-        the next one's (medians, the first call left out: a cold ring, a first launch);
-        each block's median seconds per call."""
-        sync(self.dev)
-        calls = self.calls[1:] if len(self.calls) > 1 else self.calls
-        period = [self._seconds(a[0], b[0]) for a, b in itertools.pairwise(calls)]
-        blocks = {}
-        for name, marks in self._block_marks.items():
-            marks = marks[1:] if len(marks) > 1 else marks
-            blocks[name] = (
-                float(np.median([self._seconds(a, b) for a, b in marks])) if marks else 0.0
-            )
-        return {
-            "calls": len(self.calls),
-            "call_s": float(np.median([self._seconds(a, b) for a, b in calls])) if calls else None,
-            "period_s": float(np.median(period)) if period else None,
-            "block_s": blocks,
-        }
+def probe(module: nn.Module, dev: torch.device) -> BlockTimer:
+    """Times every call of ``module`` (a denoiser) and of each of its blocks
+    (:class:`~nostall.stream.timing.BlockTimer`, all calls, not its first few)."""
+    blocks = {b.name: b.module for b in find_blocks(module)}
+    return BlockTimer(module, blocks, dev, calls=1 << 30)
 
 
 def call(pipe: Any, part: dict, dev: torch.device, steps: int, seed: int = 7) -> np.ndarray:

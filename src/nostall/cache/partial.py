@@ -19,6 +19,7 @@ block's bytes from the host block into its buffer ahead of its compute.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,9 @@ log = logging.getLogger(__name__)
 
 ALIGN = 256  # a ring buffer starts where a tensor of the whole layout could
 _SAID: set[str] = set()  # components said to have no blocks
+# module -> {(digest, mirror_file, order): _streamable's answer}; a module is one cache's
+# instance of an architecture, so its dtypes are that cache's
+_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 LINK_BYTES_S = 50e9  # a prior of the host tier's link (H200 measured 52-55 GB/s)
 
 
@@ -153,7 +157,16 @@ def _streamable(
     """``c``'s blocks that can stream (every tensor in the checkpoint, none cast on the
     way in), each one's plan and bytes, and the bytes of the rest; ``None``: none can.
     ``order``: the blocks' names in the order a call ran them (they go in that order;
-    any it does not name, after)."""
+    any it does not name, after). Worked out once per module (its dtypes) and question:
+    a switch asks several times, and FLUX has 57 blocks to plan."""
+    memo = _MEMO.setdefault(module, {})
+    key = (c.digest, mirror_file, tuple(order or ()))
+    if key not in memo:
+        memo[key] = _find_streamable(c, module, targets, mirror_file, order)
+    return memo[key]
+
+
+def _find_streamable(c, module, targets, mirror_file, order):
     names = {e.name for _, e in c.checkpoint.entries()}
     blocks, plans = [], []
     found = find_blocks(module)

@@ -103,6 +103,7 @@ class BlockRing:
             raise ValueError("a ring of at least one buffer")
         self.blocks = list(blocks)
         self.copies = [list(c) for c in copies]
+        self._nbytes = [sum(d.numel() * d.element_size() for d, _ in c) for c in self.copies]
         self.depth = depth
         self.streams = streams
         self.loaded: list[int | None] = [None] * depth  # the block each buffer holds
@@ -113,11 +114,6 @@ class BlockRing:
         self._hooks: list[Any] = []
         # one call of the module at a time: its blocks share the buffers
         self._calls = threading.RLock()
-
-    @property
-    def nbytes(self) -> list[int]:
-        """The bytes each block's copies move."""
-        return [sum(d.numel() * d.element_size() for d, _ in c) for c in self.copies]
 
     def install(self, root: nn.Module | None = None) -> None:
         """Hook the blocks (idempotent), and ``root`` (the module they are part of) so
@@ -157,7 +153,8 @@ class BlockRing:
         self.copied_bytes += self.nbytes_of(k)
 
     def nbytes_of(self, k: int) -> int:
-        return sum(d.numel() * d.element_size() for d, _ in self.copies[k])
+        """The bytes block ``k``'s copies move."""
+        return self._nbytes[k]
 
     def _before(self, k: int):
         @torch.compiler.disable  # (a compiled block stays one graph; the hook runs eagerly)
